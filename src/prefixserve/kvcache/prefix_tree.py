@@ -1,0 +1,321 @@
+"""The prefix tree over the chunk pool: every running sequence is a root-to-leaf path.
+
+Nodes hold token ids and the chunks that store their K/V. A node's token j sits at slot
+`offset + j` of its chunk list (see attention/base.py for the picture). A new node starts at
+slot 0 of a fresh chunk, except one child per node, its *tail child*, which continues inside
+the parent's partly filled last chunk (offset > 0). So splitting a node at any token needs no
+copy, and the waste is at most one partial chunk per node.
+
+Ownership. Each allocated chunk is owned by exactly one node: a node owns `chunks[1:]` when it
+is a tail child (its first chunk is the parent's last) and all its chunks otherwise.
+
+References. `ref` counts the holders (running sequences) whose path passes through the node;
+`pins` counts pinned prefixes ending at or below it. A node with ref == 0 and pins == 0 is
+*cached*: with prefix caching on it stays, truncated to its computed tokens, until evicted
+least-recently-used when a chunk is needed; with caching off it is freed at once.
+
+Matching is automatic and at token granularity. Tokens are matched whether computed or not
+(in-batch sharing: a request admitted beside another with the same prefix waits for it rather
+than computing the prefix again); the scheduler derives what is computed from `num_computed`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterator
+
+from .chunk_pool import ChunkPool, OutOfChunks
+
+
+class Node:
+    __slots__ = ("id", "parent", "children", "index", "tokens", "offset", "chunks", "pos_start",
+                 "num_computed", "ref", "pins", "last_use", "tail_child", "listed")
+
+    def __init__(self, node_id: int, parent: "Node | None", tokens: list[int], offset: int,
+                 chunks: list[int], pos_start: int):
+        self.id, self.parent, self.tokens = node_id, parent, tokens
+        self.offset, self.chunks, self.pos_start = offset, chunks, pos_start
+        self.children: list[Node] = []
+        self.index: dict[int, Node] = {}  # first token -> listed child (the matchable ones)
+        self.num_computed = self.ref = self.pins = self.last_use = 0
+        self.tail_child: Node | None = None
+        self.listed = True
+
+    @property
+    def end(self) -> int:
+        return self.pos_start + len(self.tokens)
+
+    @property
+    def owned_chunks(self) -> list[int]:
+        return self.chunks[1:] if self.offset else self.chunks
+
+    def slot(self, j: int, chunk_size: int) -> int:
+        """Flat cache slot of token j of this node."""
+        s = self.offset + j
+        return self.chunks[s // chunk_size] * chunk_size + s % chunk_size
+
+    def __repr__(self):
+        return f"Node({self.id}, pos={self.pos_start}, len={len(self.tokens)}, ref={self.ref})"
+
+
+def _num_chunks(offset: int, length: int, chunk_size: int) -> int:
+    return -(-(offset + length) // chunk_size)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
+class PrefixTree:
+    def __init__(self, pool: ChunkPool, enable_caching: bool = True):
+        self.pool, self.caching = pool, enable_caching
+        self.C = pool.chunk_size
+        self.root = Node(0, None, [], 0, [], 0)
+        self.nodes: dict[int, Node] = {}
+        self._holders: Counter[Node] = Counter()
+        self._next_id, self._clock = 1, 0
+
+    # ---- paths ---------------------------------------------------------------------------
+    def path(self, leaf: Node) -> list[Node]:
+        """Root-first nodes from a root child down to `leaf` (the virtual root excluded)."""
+        out = []
+        while leaf is not self.root:
+            out.append(leaf)
+            leaf = leaf.parent
+        return out[::-1]
+
+    def frontier(self, leaf: Node) -> tuple[int, Node | None]:
+        """(number of leading path tokens computed, the first node not fully computed)."""
+        for node in self.path(leaf):
+            if node.num_computed < len(node.tokens):
+                return node.pos_start + node.num_computed, node
+        return leaf.end, None
+
+    def mark_computed(self, leaf: Node, upto: int) -> None:
+        """Path tokens at positions < upto now have their K/V written."""
+        for node in self.path(leaf):
+            if node.pos_start < upto:
+                node.num_computed = max(node.num_computed, min(len(node.tokens), upto - node.pos_start))
+
+    # ---- admission and growth ----------------------------------------------------------------
+    def insert(self, tokens: list[int], match_limit: int) -> tuple[Node, int]:
+        """Hold a path spelling `tokens`, reusing at most `match_limit` leading tokens already in
+        the tree. Returns (leaf, number of tokens matched). Raises OutOfChunks, holding nothing."""
+        node, matched = self._match(tokens[:match_limit], split=True) if self.caching else (self.root, 0)
+        self._acquire(node)
+        if matched == len(tokens):
+            return node, matched
+        try:
+            leaf = self._add_child(node, tokens[matched:])
+        except OutOfChunks:
+            self.release(node)
+            raise
+        self._move_holder(node, leaf)
+        return leaf, matched
+
+    def extend(self, leaf: Node, tokens: list[int]) -> Node:
+        """Append tokens to a held path; returns its (possibly new) leaf. Raises OutOfChunks."""
+        if leaf is self.root or leaf.children or leaf.ref > 1 or leaf.pins:
+            child = self._add_child(leaf, tokens)
+            self._move_holder(leaf, child)
+            return child
+        need = _num_chunks(leaf.offset, len(leaf.tokens) + len(tokens), self.C) - len(leaf.chunks)
+        leaf.chunks.extend(self._alloc_many(need))
+        leaf.tokens.extend(tokens)
+        return leaf
+
+    def release(self, leaf: Node) -> None:
+        """A holder of `leaf` is gone (finished, aborted, preempted)."""
+        self._holders[leaf] -= 1
+        if not self._holders[leaf]:
+            del self._holders[leaf]
+        self._add_ref(leaf, -1)
+        self._cleanup(leaf)
+
+    # ---- pinning ---------------------------------------------------------------------------
+    def pin(self, leaf: Node) -> None:
+        for node in self.path(leaf):
+            node.pins += 1
+
+    def unpin(self, tokens: list[int]) -> Node:
+        node, matched = self._match(tokens, split=False)
+        if matched != len(tokens) or node.end != len(tokens) or not node.pins:
+            raise ValueError(f"no pinned prefix of {len(tokens)} tokens matches")
+        for n in self.path(node):
+            n.pins -= 1
+        self._cleanup(node)
+        return node
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _match(self, tokens: list[int], split: bool) -> tuple[Node, int]:
+        node, i = self.root, 0
+        while i < len(tokens):
+            child = node.index.get(tokens[i])
+            if child is None:
+                break
+            k = _common_prefix(child.tokens, tokens[i:])
+            if k < len(child.tokens):
+                if split:
+                    node, i = self._split(child, k), i + k
+                break
+            node, i = child, i + k
+        return node, i
+
+    def _split(self, node: Node, k: int) -> Node:
+        """Cut `node` after its k-th token; the new upper node is returned, `node` keeps the rest
+        (so the leaf pointers that holders keep stay valid)."""
+        parent, C, cut = node.parent, self.C, node.offset + k
+        up = self._new_node(parent, node.tokens[:k], node.offset, node.chunks[:(cut - 1) // C + 1],
+                            node.pos_start, listed=node.listed, register=False)
+        up.num_computed, up.ref, up.pins, up.last_use = min(k, node.num_computed), node.ref, node.pins, node.last_use
+        parent.children[parent.children.index(node)] = up
+        if node.listed:
+            parent.index[node.tokens[0]] = up
+        if parent.tail_child is node:
+            parent.tail_child = up
+        node.tokens, node.chunks, node.offset = node.tokens[k:], node.chunks[cut // C:], cut % C
+        node.pos_start += k
+        node.num_computed = max(0, node.num_computed - k)
+        node.parent, node.listed = up, True
+        up.children, up.index = [node], {node.tokens[0]: node}
+        up.tail_child = node if node.offset else None
+        return up
+
+    def _add_child(self, parent: Node, tokens: list[int]) -> Node:
+        end_slot = parent.offset + len(parent.tokens)
+        tail = parent is not self.root and parent.tail_child is None and end_slot % self.C != 0
+        offset = end_slot % self.C if tail else 0
+        chunks = [parent.chunks[-1]] if tail else []
+        chunks += self._alloc_many(_num_chunks(offset, len(tokens), self.C) - len(chunks))
+        node = self._new_node(parent, list(tokens), offset, chunks, parent.end,
+                              listed=tokens[0] not in parent.index, register=True)
+        if tail:
+            parent.tail_child = node
+        return node
+
+    def _new_node(self, parent, tokens, offset, chunks, pos_start, listed, register) -> Node:
+        node = Node(self._next_id, parent, tokens, offset, chunks, pos_start)
+        self._next_id += 1
+        self.nodes[node.id] = node
+        node.listed = listed
+        if register:
+            parent.children.append(node)
+            if listed:
+                parent.index[tokens[0]] = node
+        return node
+
+    def _alloc_many(self, n: int) -> list[int]:
+        got = []
+        try:
+            for _ in range(n):
+                while not self.pool.num_free:
+                    if not self._evict_one():
+                        raise OutOfChunks
+                got.append(self.pool.allocate())
+        except OutOfChunks:
+            for c in reversed(got):  # restores the free stack exactly
+                self.pool.free(c)
+            raise
+        return got
+
+    def _evict_one(self) -> bool:
+        victims = [n for n in self.nodes.values() if not (n.ref or n.pins or n.children)]
+        if not victims:
+            return False
+        self._remove(min(victims, key=lambda n: (n.last_use, n.id)))
+        return True
+
+    def _remove(self, node: Node) -> None:
+        for c in node.owned_chunks:
+            self.pool.free(c)
+        parent = node.parent
+        parent.children.remove(node)
+        if node.listed:
+            del parent.index[node.tokens[0]]
+        if parent.tail_child is node:
+            parent.tail_child = None
+        del self.nodes[node.id]
+
+    def _truncate(self, node: Node, n: int) -> None:
+        keep = _num_chunks(node.offset, n, self.C)
+        for c in node.chunks[keep:]:
+            self.pool.free(c)
+        node.tokens, node.chunks = node.tokens[:n], node.chunks[:keep]
+
+    def _cleanup(self, node: Node) -> None:
+        """Free or trim the unreferenced, unpinned, childless nodes from `node` upwards."""
+        while node is not self.root:
+            parent = node.parent
+            if node.ref or node.pins or node.children:
+                break
+            if self.caching and node.listed and node.num_computed:
+                self._truncate(node, node.num_computed)
+                break
+            self._remove(node)
+            node = parent
+
+    def _acquire(self, leaf: Node) -> None:
+        self._holders[leaf] += 1
+        self._add_ref(leaf, +1)
+
+    def _move_holder(self, old: Node, new: Node) -> None:
+        """The holder of `old` now holds `new`, a child of `old`."""
+        self._holders[old] -= 1
+        if not self._holders[old]:
+            del self._holders[old]
+        self._holders[new] += 1
+        new.ref += 1
+        new.last_use = self._clock
+
+    def _add_ref(self, leaf: Node, delta: int) -> None:
+        self._clock += 1
+        for node in self.path(leaf):
+            node.ref += delta
+            node.last_use = self._clock
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def iter_nodes(self) -> Iterator[Node]:
+        return iter(self.nodes.values())
+
+    def chunk_counts(self) -> dict[str, int]:
+        """Chunks by state: in use (referenced or pinned), cached, free."""
+        used = sum(len(n.owned_chunks) for n in self.nodes.values() if n.ref or n.pins)
+        cached = sum(len(n.owned_chunks) for n in self.nodes.values() if not (n.ref or n.pins))
+        return {"in_use": used, "cached": cached, "free": self.pool.num_free}
+
+    def check_integrity(self) -> None:
+        """The contract: free + cached + in use == total; each chunk on one node or free; every
+        refcount equals the holders below it; layout, tail and index invariants hold."""
+        owners = Counter(c for n in self.nodes.values() for c in n.owned_chunks)
+        free = Counter(self.pool.free_ids())
+        assert all(v == 1 for v in owners.values()), "a chunk is owned by two nodes"
+        assert all(v == 1 for v in free.values()), "a chunk is twice on the free list"
+        assert not (set(owners) & set(free)), "a chunk is both free and owned"
+        assert len(owners) + len(free) == self.pool.num_chunks, "chunks leaked"
+        below = Counter()
+        for leaf, count in self._holders.items():
+            assert count > 0
+            for node in self.path(leaf):
+                below[node.id] += count
+        for node in self.nodes.values():
+            self._check_node(node, below[node.id])
+
+    def _check_node(self, node: Node, holders: int) -> None:
+        assert node.ref == holders, f"{node} ref {node.ref} != holders {holders}"
+        assert self.nodes.get(node.id) is node and node.parent is not None
+        assert node.tokens and 0 <= node.num_computed <= len(node.tokens)
+        assert len(node.chunks) == _num_chunks(node.offset, len(node.tokens), self.C)
+        assert node.pos_start == node.parent.end
+        assert node in node.parent.children
+        if node.offset:
+            assert node.parent.tail_child is node and node.parent.chunks[-1] == node.chunks[0]
+        if node.listed:
+            assert node.parent.index[node.tokens[0]] is node
+        if not (node.ref or node.pins):
+            assert self.caching, "caching off, yet an unreferenced node survives"
+            assert node.num_computed == len(node.tokens) or node.children
+        for child in node.children:
+            assert child.parent is node
