@@ -1,0 +1,3 @@
+"""Built-in attention backends; importing this package registers them all (see base.py)."""
+
+from . import auto, chunk, hydragen, no_attention, paged, relay  # noqa: F401

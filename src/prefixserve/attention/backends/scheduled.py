@@ -1,0 +1,44 @@
+"""The shared plan/run of the exact backends: a backend is a schedule (see `schedule.py`).
+
+plan(): schedule the batch and bring its index tensors up to date on `shape.device`
+(`plan.PlanCache`, plus the executor's extras). run(): write the new K/V, run every work item
+(one launch), merge the partials of each query row if the schedule needs it, in q's dtype.
+The ops come from an executor picked by device (`ops.kernels_for`: Triton kernels on CUDA,
+the PyTorch reference elsewhere); tests pass one explicitly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..base import AttentionBackend, AttentionBatch, AttentionShape
+from ..ops import kernels_for
+from ..plan import DevicePlan, PlanCache
+from ..schedule import Schedule
+
+
+class ScheduledBackend(AttentionBackend):
+    schedule: Callable[[AttentionBatch], Schedule]  # set by each subclass (a staticmethod)
+
+    def __init__(self, shape: AttentionShape, kernels=None):
+        super().__init__(shape)
+        self.kernels = kernels or kernels_for(shape)
+        self.cache = PlanCache(shape.device, self.kernels.plan_extra)
+        self.current: DevicePlan | None = None
+
+    def plan(self, batch: AttentionBatch) -> None:
+        self.current = self.cache.get(batch, lambda: self.schedule(batch))
+
+    def plan_schedule(self, batch: AttentionBatch, sched: Schedule) -> None:
+        """plan() with the schedule already computed (by `auto`)."""
+        self.current = self.cache.get(batch, lambda: sched)
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        p, s = self.current, self.shape
+        assert p is not None, "plan() before run()"
+        assert q.shape == (p.slots.numel(), s.num_heads, s.head_dim), q.shape
+        self.kernels.store_kv(k_cache, v_cache, k, v, p.slots)
+        return self.kernels.attend(q, k_cache, v_cache, p, s.scale)

@@ -1,0 +1,129 @@
+"""The seam between the engine and attention: what one step asks of attention, and the backend interface.
+
+The engine describes a step as an `AttentionBatch` (host objects, built from the prefix tree);
+a backend turns it into device index tensors once per step (`plan`) and then, per layer, only
+launches work (`run`). Nothing else crosses this seam: no module-level "forward context".
+
+Key layout. A sequence's keys are the concatenation of the segments on its root-to-leaf path.
+A segment is (a prefix of) one tree node: `length` keys at absolute positions
+`[pos_start, pos_start + length)`, stored in slot order inside the node's chunks, starting at
+slot `offset` of `chunks[0]`:
+
+    chunk:   chunks[0]              chunks[1]              chunks[2]
+    slot:    0 .. offset-1 | offset .. C-1 | 0 .. C-1 | 0 .. (offset+length-1) % C
+             (not this node) key 0 ...                     ... key length-1
+
+Key j of a segment sits at flat slot `chunks[(offset + j) // C] * C + (offset + j) % C` of a
+cache viewed as `[num_chunks * C, Hkv, D]`. The same node object appears as the same
+`node_id` in every sequence below it; in a batch ordered depth-first the sequences sharing a
+node are contiguous, which is what lets shared-prefix backends batch their queries.
+
+Queries. Sequence i owns rows `[q_start, q_start + q_len)` of this step's `q`; they sit at
+positions `q_pos .. q_pos + q_len - 1` and attend causally: a query at position p sees keys at
+positions <= p. The new tokens' own K/V are written into the cache (at `slots`) before
+attention, so every key a query sees is read from the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    node_id: int
+    pos_start: int
+    length: int
+    chunks: tuple[int, ...]
+    offset: int
+
+    def slots(self, chunk_size: int) -> torch.Tensor:
+        """Flat cache slots of this segment's keys, in key order: [length] int64."""
+        j = torch.arange(self.offset, self.offset + self.length)
+        chunks = torch.tensor(self.chunks, dtype=torch.int64)
+        return chunks[j // chunk_size] * chunk_size + j % chunk_size
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqQueries:
+    q_start: int
+    q_len: int
+    q_pos: int
+    segments: tuple[Segment, ...]  # root to leaf; their lengths sum to q_pos + q_len
+
+    @property
+    def kv_len(self) -> int:
+        return self.q_pos + self.q_len
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBatch:
+    seqs: tuple[SeqQueries, ...]  # depth-first tree order
+    chunk_size: int
+    slots: torch.Tensor  # [num_tokens] int64 (CPU): where each new token's K/V is written
+    pinned_node_ids: frozenset[int] = frozenset()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slots.numel())
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    """Static facts a backend is built with (one per model)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    dtype: torch.dtype
+    device: torch.device
+
+
+class AttentionBackend(ABC):
+    """plan() once per step on the host; run() once per layer, launching work only."""
+
+    name: str = ""
+
+    def __init__(self, shape: AttentionShape):
+        self.shape = shape
+
+    @abstractmethod
+    def plan(self, batch: AttentionBatch) -> None:
+        """Build this step's device index tensors from `batch` (reusing them when unchanged)."""
+
+    @abstractmethod
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Write the new keys/values, then attend.
+
+        q: [T, Hq, D]; k, v: [T, Hkv, D] (this step's new tokens, rotary already applied);
+        k_cache, v_cache: [num_chunks, C, Hkv, D] (one layer). Returns o: [T, Hq, D] in q's dtype.
+        """
+
+
+_REGISTRY: dict[str, Callable[[AttentionShape], AttentionBackend]] = {}
+
+
+def register_backend(name: str):
+    def deco(cls):
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+    return deco
+
+
+def backend_names() -> list[str]:
+    from . import backends  # noqa: F401  (registers the built-in backends)
+    return sorted(_REGISTRY)
+
+
+def create_backend(name: str, shape: AttentionShape) -> AttentionBackend:
+    names = backend_names()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {names}")
+    return _REGISTRY[name](shape)

@@ -1,0 +1,47 @@
+"""Attention ops: `reference` (PyTorch, the CPU path and test oracle); `triton` (GPU twins).
+
+A scheduled backend runs its plans through one executor, picked once by device in
+`kernels_for`: `triton.TritonKernels` on CUDA, `ReferenceKernels` elsewhere. Both compute the
+same function from the same plan; an executor has
+
+    plan_extra(batch, arrays) -> extra plan arrays/ints (kept in `DevicePlan.extra`)
+    store_kv(k_cache, v_cache, k, v, slots)
+    attend(q, k_cache, v_cache, plan, scale) -> o [T, Hq, D] in q's dtype
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+
+
+class ReferenceKernels:
+    """The PyTorch ops: attend_items, then merge_partials if the schedule merges, then a cast."""
+
+    def __init__(self, shape):
+        self.shape = shape
+
+    def plan_extra(self, batch, arrays) -> dict:
+        return {}
+
+    def store_kv(self, k_cache, v_cache, k, v, slots) -> None:
+        reference.store_kv(k_cache, v_cache, k, v, slots)
+
+    def attend(self, q, k_cache, v_cache, plan, scale: float) -> torch.Tensor:
+        p = plan
+        o, lse = reference.attend_items(q, k_cache, v_cache, p.q_pos, p.item_q_start,
+                                        p.item_q_len, p.item_out_start, p.item_kv_indptr,
+                                        p.kv_chunk, p.kv_lo, p.kv_hi, p.kv_pos, scale,
+                                        p.num_out_rows)
+        if p.needs_merge:
+            o, _ = reference.merge_partials(o, lse, p.row_indptr, p.row_parts)
+        return o.to(q.dtype)
+
+
+def kernels_for(shape):
+    """The executor for `shape.device`: Triton on CUDA (triton imported here, lazily)."""
+    if torch.device(shape.device).type == "cuda":
+        from .triton.kernels import TritonKernels
+        return TritonKernels(shape)
+    return ReferenceKernels(shape)
