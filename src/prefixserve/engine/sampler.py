@@ -1,0 +1,207 @@
+"""One step's logits -> one token per row, plus logprobs where a row asks for them.
+
+Pipeline, per row; each stage runs vectorised over the rows that need it and is skipped
+when none does:
+
+    raw logits ──> logprobs: log_softmax of the raw logits (vLLM v1's default)
+        │ (a copy; the caller's tensor is never written)
+        ├─ min_tokens: stop_token_ids, and eos unless ignore_eos, -> -inf while the output is short
+        ├─ repetition penalty over prompt + output; presence / frequency penalty over output
+        ├─ greedy rows: argmax (ties -> lowest token id, as torch.argmax)
+        └─ random rows: / temperature -> top_k -> top_p -> softmax -> min_p -> exponential race
+
+Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. picks token i with
+probability p_i / sum(p) (the Gumbel-max trick without logs), so the probabilities need no
+renormalising after top_k / top_p / min_p. A seeded row draws exactly V noise values per
+step from its own generator and every other stage is row-wise, so its tokens never depend on
+what else is in the batch. Unseeded rows draw from torch's default generator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from prefixserve.sampling_params import Logprob, SamplingParams
+
+
+class SamplingRow(Protocol):
+    """What the sampler reads of one request. `generator` lives on the logits' device."""
+
+    @property
+    def params(self) -> SamplingParams: ...
+
+    @property
+    def generator(self) -> torch.Generator | None: ...
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleOutput:
+    token_ids: list[int]  # [B]
+    logprobs: list[dict[int, Logprob] | None]  # [B]; None where the row's params.logprobs is None
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """The per-request generator a row carries: None (shared default RNG) when unseeded."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
+        """logits: [B, V] fp32, row b belongs to rows[b]."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+        assert logits.dtype == torch.float32, logits.dtype
+        processed = logits.clone()
+        self._mask_early_stops(processed, rows)
+        _apply_penalties(processed, rows)
+        token_ids = _choose(processed, rows)  # [B] int64
+        return SampleOutput(token_ids.tolist(), _logprobs(logits, token_ids, rows))
+
+    def _mask_early_stops(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        """Forbid every token that would end a row before it has min_tokens output tokens."""
+        row_idx: list[int] = []
+        token_idx: list[int] = []
+        for b, row in enumerate(rows):
+            p = row.params
+            if len(row.output_token_ids) >= p.min_tokens:
+                continue
+            stops = p.stop_token_ids if p.ignore_eos else p.stop_token_ids + self.eos_token_ids
+            row_idx += [b] * len(stops)
+            token_idx += stops
+        if row_idx:
+            index = torch.tensor([row_idx, token_idx], device=logits.device)
+            logits[index[0], index[1]] = float("-inf")
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    """[R, 1] fp32: one per-row parameter, shaped to broadcast against [R, V]."""
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _token_counts(seqs: list[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[S, V] fp32: how many times each token id occurs in each of the S sequences."""
+    lengths = torch.tensor([len(s) for s in seqs], device=device)
+    tokens = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.int64, device=device)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(seqs), device=device), lengths)
+    counts = torch.bincount(seq_of_token * vocab_size + tokens, minlength=len(seqs) * vocab_size)
+    return counts.view(len(seqs), vocab_size).float()
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+
+def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place on logits [B, V]. Repetition (HF/vLLM): a seen token's logit is divided by the
+    penalty when > 0, multiplied when <= 0. OpenAI: logit -= frequency * count + presence * [count > 0]."""
+    sel = [b for b, row in enumerate(rows) if _has_penalty(row.params)]
+    if not sel:
+        return
+    params = [rows[b].params for b in sel]
+    device, vocab_size = logits.device, logits.shape[1]
+    sub = logits[sel]  # [S, V]
+    output_counts = _token_counts([rows[b].output_token_ids for b in sel], vocab_size, device)
+    in_output = output_counts > 0
+    if any(p.repetition_penalty != 1 for p in params):
+        in_prompt = _token_counts([rows[b].prompt_token_ids for b in sel], vocab_size, device) > 0
+        penalty = _column([p.repetition_penalty for p in params], device)
+        penalty = torch.where(in_prompt | in_output, penalty, 1.0)
+        sub = torch.where(sub > 0, sub / penalty, sub * penalty)
+    sub -= _column([p.frequency_penalty for p in params], device) * output_counts
+    sub -= _column([p.presence_penalty for p in params], device) * in_output
+    logits[sel] = sub
+
+
+def _choose(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """[B] int64: argmax of the penalised logits for greedy rows, a draw for the others."""
+    greedy = [b for b, row in enumerate(rows) if row.params.greedy]
+    if len(greedy) == len(rows):
+        return logits.argmax(-1)
+    token_ids = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+    if greedy:
+        token_ids[greedy] = logits[greedy].argmax(-1)
+    drawn = [b for b, row in enumerate(rows) if not row.params.greedy]
+    token_ids[drawn] = _draw(logits[drawn], [rows[b] for b in drawn])
+    return token_ids
+
+
+def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """logits: [R, V] penalised, rows not greedy. Returns [R] int64 sampled token ids."""
+    params = [row.params for row in rows]
+    device = logits.device
+    logits = logits / _column([p.temperature for p in params], device)
+    if any(p.top_k or p.top_p < 1 for p in params):
+        logits = _top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
+    probs = logits.softmax(-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = _column([p.min_p for p in params], device)
+        probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
+    return (probs / _exponential_noise(probs, rows)).argmax(-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """logits: [R, V]. Keep each row's k largest logits (k = 0: all), then the smallest most-likely set whose probability mass reaches p (at least one token)."""
+    vocab_size = logits.shape[1]
+    k = [k or vocab_size for k in top_k]
+    # When every row has a top_k, no row keeps a token outside the largest max(k): skip the full sort.
+    values, order = logits.topk(max(k), dim=-1)  # [R, W], descending
+    kth_largest = values.gather(1, torch.tensor(k, device=logits.device).unsqueeze(1) - 1)  # [R, 1]
+    values = values.masked_fill(values < kth_largest, float("-inf"))
+    probs = values.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs  # [R, W]: mass of the strictly more likely tokens
+    values = values.masked_fill(mass_before >= _column(top_p, logits.device), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, values)
+
+
+def _exponential_noise(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """[R, V] i.i.d. Exp(1). A seeded row's values come from its own generator only."""
+    noise = torch.empty_like(probs)
+    unseeded = [r for r, row in enumerate(rows) if row.generator is None]
+    if unseeded:
+        noise[unseeded] = noise[unseeded].exponential_()
+    for r, row in enumerate(rows):
+        if row.generator is not None:
+            noise[r].exponential_(generator=row.generator)
+    # exponential_ may return 0.0; a zero-probability token must never win through 0 / 0 = nan.
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _logprobs(
+    raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
+) -> list[dict[int, Logprob] | None]:
+    """raw: [B, V] unprocessed logits; token_ids: [B]. The sampled token first, then the top-k,
+    ranked 1 + (number of tokens with a strictly larger logprob)."""
+    out: list[dict[int, Logprob] | None] = [None] * len(rows)
+    sel = [b for b, row in enumerate(rows) if row.params.logprobs is not None]
+    if not sel:
+        return out
+    logprobs = raw[sel].log_softmax(-1)  # [S, V]
+    sampled = token_ids[sel].unsqueeze(1)  # [S, 1]
+    sampled_lp = logprobs.gather(1, sampled)  # [S, 1]
+    sampled_rank = (logprobs > sampled_lp).sum(-1) + 1  # [S]
+    k = min(max(rows[b].params.logprobs for b in sel), logprobs.shape[1])
+    top_lp, top_ids = logprobs.topk(k, dim=-1)  # [S, k], descending
+    # Every token more likely than top-k entry j is an earlier top-k entry: count those only.
+    top_rank = (top_lp.unsqueeze(1) > top_lp.unsqueeze(2)).sum(-1) + 1  # [S, k]
+    host = [t.tolist() for t in (sampled[:, 0], sampled_lp[:, 0], sampled_rank, top_ids, top_lp, top_rank)]
+    for s, b in enumerate(sel):
+        ids, lps, ranks = (h[s][: rows[b].params.logprobs] for h in host[3:])
+        entry = {host[0][s]: Logprob(host[1][s], host[2][s])}
+        entry.update((t, Logprob(lp, rank)) for t, lp, rank in zip(ids, lps, ranks))
+        out[b] = entry
+    return out
