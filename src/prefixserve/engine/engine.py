@@ -1,0 +1,223 @@
+"""The engine: requests in, outputs out; `step()` is schedule -> execute -> postprocess."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+
+import torch
+
+from ..attention.base import AttentionShape, create_backend
+from ..config import EngineConfig
+from ..kvcache.chunk_pool import ChunkPool
+from ..kvcache.prefix_tree import PrefixTree
+from ..model import loader
+from ..sampling_params import SamplingParams
+from .detokenizer import with_decoded_tokens
+from .model_runner import ModelRunner
+from .request import Request, RequestOutput, Sequence, Status
+from .sampler import Sampler, SampleOutput, make_generator
+from .scheduler import Scheduler, SchedulerOutput
+from .stops import check_stop
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_CACHE_MEMORY = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheStats:
+    capacity_tokens: int
+    physical_tokens: int  # token slots of allocated chunks (in use or cached)
+    peak_physical_tokens: int
+    in_use_tokens: int  # slots of chunks held by running sequences or pins
+    cached_tokens: int
+    logical_tokens: int  # sum of running sequences' lengths
+    pinned_tokens: int
+    prompt_tokens: int  # cumulative, over admitted sequences
+    prefix_hit_tokens: int  # prompt tokens found in the tree at admission
+    computed_prompt_tokens: int  # prompt tokens run through the model
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.device = torch.device(cfg.device if cfg.device != "auto" else
+                                   "cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = _DTYPES.get(cfg.dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        torch.manual_seed(cfg.seed)
+        src = loader.resolve(cfg)
+        self.model_name, self.hf_config = src.name, src.config
+        self.model = loader.load_model(src, self.dtype, self.device, cfg.seed)
+        self.tokenizer = loader.load_tokenizer(src, cfg.tokenizer)
+        m = self.model.cfg
+        self.max_model_len = cfg.max_model_len or m.max_position_embeddings
+        if self.max_model_len > m.max_position_embeddings:
+            log.warning("max_model_len %d exceeds the model's %d positions: outputs past them are "
+                        "extrapolated (fine for speed benchmarks on dummy weights)",
+                        self.max_model_len, m.max_position_embeddings)
+        self.pool = self._make_pool()
+        self.tree = PrefixTree(self.pool, cfg.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg.scheduler, self.tree)
+        shape = AttentionShape(m.num_heads, m.num_kv_heads, m.head_dim, m.head_dim ** -0.5,
+                               self.dtype, self.device)
+        self.backend = create_backend(cfg.attention_backend, shape)
+        self.eos_token_ids = self._eos_ids()
+        self.runner = ModelRunner(self.model, self.pool, self.tree, self.backend,
+                                  Sampler(self.eos_token_ids), self.device)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self.computed_prompt_tokens = 0
+        self.peak_physical_tokens = 0
+
+    # ---- the heartbeat ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        sampled = self.runner.execute(sched) if sched.seqs else None
+        return self._postprocess(sched, sampled)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    prefill_only: bool = False) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        params = self._validate(ids, params, prefill_only)
+        req = Request(request_id, text, ids, params, prefill_only)
+        for i in range(1 if prefill_only else params.n):
+            seq = Sequence(next(self._seq_ids), req, i, self.tokenizer)
+            seq.generator = make_generator(None if params.seed is None else params.seed + i, self.device)
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = req
+        return req
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        for seq in req.seqs if req else ():
+            if not seq.finished:
+                self.scheduler.finish(seq, "abort")
+
+    # ---- pinned prefixes (RelayAttention's system KV, filled once) -----------------------------
+    def pin_prefix(self, prompt: str | list[int]) -> list[int]:
+        if not self.cfg.cache.enable_prefix_caching:
+            raise ValueError("pinned prefixes need enable_prefix_caching=True")
+        rid = f"pin-{next(self._seq_ids)}"
+        seq = self.add_request(rid, prompt, SamplingParams(max_tokens=1), prefill_only=True).seqs[0]
+        while seq.leaf is None or self.tree.frontier(seq.leaf)[1] is not None:
+            self.step()
+        self.tree.pin(seq.leaf)
+        self.scheduler.finish(seq, "pinned")
+        del self.requests[rid]
+        return seq.prompt_token_ids
+
+    def unpin_prefix(self, prompt: str | list[int]) -> None:
+        self.tree.unpin(self._tokenize(prompt)[1])
+
+    # ---- state ------------------------------------------------------------------------------
+    def kv_cache_stats(self) -> KVCacheStats:
+        C, counts = self.pool.chunk_size, self.tree.chunk_counts()
+        physical = (counts["in_use"] + counts["cached"]) * C
+        self.peak_physical_tokens = max(self.peak_physical_tokens, physical)
+        pinned = sum(len(n.tokens) for n in self.tree.iter_nodes() if n.pins)
+        return KVCacheStats(
+            capacity_tokens=self.pool.num_chunks * C, physical_tokens=physical,
+            peak_physical_tokens=self.peak_physical_tokens, in_use_tokens=counts["in_use"] * C,
+            cached_tokens=counts["cached"] * C,
+            logical_tokens=sum(s.num_tokens for s in self.scheduler.running),
+            pinned_tokens=pinned, prompt_tokens=self.scheduler.prompt_tokens,
+            prefix_hit_tokens=self.scheduler.prefix_hit_tokens,
+            computed_prompt_tokens=self.computed_prompt_tokens)
+
+    def check_integrity(self) -> None:
+        self.tree.check_integrity()
+        for seq in self.scheduler.running:
+            assert seq.leaf is not None and seq.leaf.end <= seq.num_tokens
+        for seq in self.scheduler.waiting:
+            assert seq.leaf is None
+
+    # ---- internals --------------------------------------------------------------------------
+    def _postprocess(self, sched: SchedulerOutput, sampled: SampleOutput | None) -> list[RequestOutput]:
+        touched: dict[str, Request] = {}
+        rows = iter(range(len(sampled.token_ids))) if sampled else iter(())
+        for g in sched.seqs:
+            seq = g.seq
+            self.tree.mark_computed(seq.leaf, g.start + g.num_tokens)
+            self.computed_prompt_tokens += max(0, min(g.start + g.num_tokens, len(seq.prompt_token_ids)) - g.start)
+            if g.sample and not seq.request.prefill_only:
+                i = next(rows)
+                self._append(seq, sampled.token_ids[i], sampled.logprobs[i])
+                touched[seq.request.request_id] = seq.request
+        self.kv_cache_stats()  # tracks the peak
+        outputs = [req.output() for req in touched.values()]
+        for out in outputs:
+            if out.finished:
+                self.requests.pop(out.request_id, None)
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, logprobs) -> None:
+        req = seq.request
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        seq.output_token_ids.append(token)
+        if seq.logprobs is not None:
+            seq.logprobs.append(with_decoded_tokens(self.tokenizer, logprobs) if self.tokenizer else logprobs)
+        delta = seq.detok.append(token) if seq.detok else ""
+        reason = check_stop(seq, token, delta, self.eos_token_ids, self.max_model_len)
+        if reason:
+            self.scheduler.finish(seq, reason)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token ids")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = list(prompt)
+        vocab = self.model.cfg.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
+        return None, ids
+
+    def _validate(self, ids: list[int], params: SamplingParams, prefill_only: bool) -> SamplingParams:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        params.validate_for_model(self.model.cfg.vocab_size)
+        max_len = self.max_model_len
+        if len(ids) + (0 if prefill_only else 1) > max_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is {max_len} "
+                             "tokens including at least one generated token")
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(ids)
+        if len(ids) + max_tokens > max_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                             f"the context of {max_len} tokens")
+        need = -(-(len(ids) + max_tokens) // self.pool.chunk_size) + 1
+        if need > self.pool.num_chunks:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) can never fit "
+                             f"in the KV cache of {self.pool.num_chunks * self.pool.chunk_size} tokens; "
+                             "raise kv_cache_memory or lower max_tokens")
+        return dataclasses.replace(params, max_tokens=max_tokens) if params.max_tokens is None else params
+
+    def _make_pool(self) -> ChunkPool:
+        m, c = self.model.cfg, self.cfg.cache
+        per_chunk = ChunkPool.bytes_per_chunk(m.num_layers, c.chunk_size, m.num_kv_heads, m.head_dim, self.dtype)
+        memory = c.kv_cache_memory
+        if memory is None:
+            memory = CPU_KV_CACHE_MEMORY if self.device.type == "cpu" else int(0.9 * torch.cuda.mem_get_info(self.device)[0])
+        num_chunks = memory // per_chunk
+        log.info("KV cache: %d chunks of %d tokens (%.1f MiB)", num_chunks, c.chunk_size, num_chunks * per_chunk / 2**20)
+        return ChunkPool(m.num_layers, num_chunks, c.chunk_size, m.num_kv_heads, m.head_dim, self.dtype, self.device)
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set()
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        eos = self.hf_config.get("eos_token_id")
+        ids.update([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        return tuple(sorted(ids))

@@ -1,0 +1,95 @@
+"""Requests and their sequences (one per sample), and the outputs users see.
+
+A request with `n` samples owns n `Sequence`s; each is scheduled on its own and holds one
+root-to-leaf path of the prefix tree while running. Lengths are named by meaning:
+`num_tokens` (prompt + generated, all in the tree while running), `num_prompt_tokens`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+import torch
+
+from ..kvcache.prefix_tree import Node
+from ..sampling_params import Logprob, SamplingParams
+from .detokenizer import IncrementalDetokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request: "Request", index: int, tokenizer):
+        self.seq_id, self.request, self.index = seq_id, request, index
+        self.params: SamplingParams = request.params
+        self.prompt_token_ids: list[int] = request.prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] | None = [] if self.params.logprobs is not None else None
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.leaf: Node | None = None  # the held path's leaf while running
+        self.cached_prompt_tokens: int | None = None  # prompt tokens found in the tree at first admission
+        self.generator: torch.Generator | None = None  # set by the engine, on the logits' device
+        self.detok = IncrementalDetokenizer(tokenizer, self.prompt_token_ids,
+                                            self.params.skip_special_tokens) if tokenizer else None
+        self.text = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, prefill_only: bool = False):
+        self.request_id, self.prompt, self.params = request_id, prompt, params
+        self.prompt_token_ids = prompt_token_ids
+        self.prefill_only = prefill_only  # pin requests: compute the prompt, sample nothing
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.seqs: list[Sequence] = []
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        outs = [CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason,
+                                 s.logprobs) for s in self.seqs]
+        cached = min((s.cached_prompt_tokens or 0 for s in self.seqs), default=0)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
+                             self.finished, cached)

@@ -1,0 +1,127 @@
+"""Continuous batching by tokens, not phases.
+
+Each step grants every running sequence the tokens between its computed frontier and its end,
+under a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`). Prefill,
+chunked prefill, prefix-cache hits and decode all fall out of that one rule:
+
+    path tokens:  [ computed (own or shared) | granted this step | later ]
+                  0                     frontier             frontier+n   num_tokens
+
+A prefix found in the tree is computed already (a hit) or is being computed by the sequence
+that inserted it (in-batch sharing): the node at a sequence's frontier is *claimed* by the
+first sequence granted tokens in it this step, and any other sequence whose frontier lies in
+a claimed node waits one step, then finds those tokens computed. A sequence samples when its
+grant reaches its last token. When a decode step finds no chunk, the most recently admitted
+sequence is preempted (its path released; it is recomputed, from the cache where it survives).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from ..config import SchedulerConfig
+from ..kvcache.chunk_pool import OutOfChunks
+from ..kvcache.prefix_tree import PrefixTree
+from .request import Sequence, Status
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step (the frontier)
+    num_tokens: int
+    sample: bool  # the grant reaches the sequence's last token
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq]  # depth-first tree order
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, tree: PrefixTree):
+        self.cfg, self.tree = cfg, tree
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.prefix_hit_tokens = self.prompt_tokens = self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        preempted = self._grow_running()
+        budget, claimed, granted = self.cfg.max_num_batched_tokens, set(), []
+        for seq in self.running:
+            if budget > 0 and (g := self._grant(seq, budget, claimed)):
+                granted.append(g)
+                budget -= g.num_tokens
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget > 0 and not preempted:
+            if not self._admit(self.waiting[0]):
+                break
+            seq = self.waiting.popleft()
+            if g := self._grant(seq, budget, claimed):
+                granted.append(g)
+                budget -= g.num_tokens
+        granted.sort(key=lambda g: [n.id for n in self.tree.path(g.seq.leaf)])
+        return SchedulerOutput(granted, preempted)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Stop a sequence (running or waiting) and release its path."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.tree.release(seq.leaf)
+            seq.leaf = None
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    def _admit(self, seq: Sequence) -> bool:
+        tokens = seq.token_ids
+        limit = len(tokens) if seq.request.prefill_only else len(tokens) - 1
+        try:
+            seq.leaf, matched = self.tree.insert(tokens, limit)
+        except OutOfChunks:
+            return False
+        if seq.cached_prompt_tokens is None:  # first admission (not a return from preemption)
+            seq.cached_prompt_tokens = matched
+            self.prefix_hit_tokens += matched
+            self.prompt_tokens += len(seq.prompt_token_ids)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _grant(self, seq: Sequence, budget: int, claimed: set[int]) -> ScheduledSeq | None:
+        start, node = self.tree.frontier(seq.leaf)
+        if node is None or node.id in claimed:
+            return None
+        claimed.add(node.id)
+        n = min(budget, seq.num_tokens - start)
+        return ScheduledSeq(seq, start, n, start + n == seq.num_tokens)
+
+    def _grow_running(self) -> list[Sequence]:
+        """Put each running sequence's newly sampled tokens into the tree, preempting on OOM."""
+        preempted = []
+        for seq in list(self.running):
+            while seq.status is Status.RUNNING and seq.leaf.end < seq.num_tokens:
+                try:
+                    seq.leaf = self.tree.extend(seq.leaf, seq.token_ids[seq.leaf.end:])
+                except OutOfChunks:
+                    preempted.append(self._preempt_last())
+        return preempted
+
+    def _preempt_last(self) -> Sequence:
+        victim = self.running.pop()
+        self.num_preemptions += 1
+        self.tree.release(victim.leaf)
+        victim.leaf, victim.status = None, Status.WAITING
+        self.waiting.appendleft(victim)
+        return victim

@@ -1,0 +1,185 @@
+"""The prefix tree over the chunk pool: exact chunk ids, splits without copies, LRU eviction,
+pins, and a property test of random add / step / abort / finish / pin / unpin streams."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from prefixserve.kvcache.chunk_pool import ChunkPool, OutOfChunks
+from prefixserve.kvcache.prefix_tree import PrefixTree
+
+
+def make_tree(num_chunks=16, chunk_size=4, caching=True) -> PrefixTree:
+    pool = ChunkPool(1, num_chunks, chunk_size, 1, 2, torch.float32, torch.device("cpu"))
+    return PrefixTree(pool, caching)
+
+
+def computed(tree, leaf):
+    tree.mark_computed(leaf, leaf.end)
+
+
+def test_insert_allocates_lowest_chunk_ids_in_order():
+    tree = make_tree()
+    leaf, matched = tree.insert(list(range(10)), match_limit=9)
+    assert matched == 0 and leaf.chunks == [0, 1, 2] and leaf.offset == 0
+    assert [leaf.slot(j, 4) for j in (0, 3, 4, 9)] == [0, 3, 4, 9]
+    tree.check_integrity()
+
+
+def test_split_inside_a_chunk_shares_it_with_the_tail_child():
+    tree = make_tree()
+    a, _ = tree.insert([1, 2, 3, 4, 5, 6, 7], 6)  # chunks 0, 1
+    computed(tree, a)
+    b, matched = tree.insert([1, 2, 3, 4, 5, 9, 9], 6)
+    assert matched == 5
+    up = a.parent
+    assert up.tokens == [1, 2, 3, 4, 5] and up.chunks == [0, 1] and up.ref == 2
+    # a continues inside chunk 1 at slot 1 (no copy); b starts a fresh chunk
+    assert a.tokens == [6, 7] and a.offset == 1 and a.chunks == [1] and up.tail_child is a
+    assert b.tokens == [9, 9] and b.offset == 0 and b.chunks == [2]
+    assert a.slot(0, 4) == 5  # the very slot where token 6 was written before the split
+    tree.check_integrity()
+
+
+def test_match_is_capped_so_the_last_prompt_token_is_computed_by_each_sequence():
+    tree = make_tree()
+    a, _ = tree.insert([5, 6, 7, 8], 3)
+    computed(tree, a)
+    b, matched = tree.insert([5, 6, 7, 8], 3)
+    assert matched == 3 and b is not a and b.tokens == [8] and b.parent is a.parent
+    assert not b.listed  # a's continuation already starts with token 8
+    tree.check_integrity()
+
+
+def test_release_keeps_computed_tokens_cached_and_trims_the_rest():
+    tree = make_tree()
+    a, _ = tree.insert(list(range(10)), 9)
+    tree.mark_computed(a, 6)
+    tree.release(a)
+    assert a.tokens == list(range(6)) and a.chunks == [0, 1] and a.ref == 0
+    assert tree.chunk_counts() == {"in_use": 0, "cached": 2, "free": 14}
+    b, matched = tree.insert(list(range(8)), 7)
+    assert matched == 6 and b.parent is a
+    tree.check_integrity()
+
+
+def test_caching_off_frees_everything_on_release():
+    tree = make_tree(caching=False)
+    a, _ = tree.insert(list(range(10)), 9)
+    computed(tree, a)
+    b, matched = tree.insert(list(range(10)), 9)
+    assert matched == 0 and set(a.chunks).isdisjoint(b.chunks)
+    tree.release(a)
+    tree.release(b)
+    assert tree.chunk_counts() == {"in_use": 0, "cached": 0, "free": 16}
+    tree.check_integrity()
+
+
+def test_eviction_is_least_recently_used_leaf_first():
+    tree = make_tree(num_chunks=6, chunk_size=4)
+    leaves = []
+    for first in (10, 20, 30):
+        leaf, _ = tree.insert([first] * 8, 7)  # 2 chunks each: ids 0-1, 2-3, 4-5
+        computed(tree, leaf)
+        leaves.append(leaf)
+    for leaf in (leaves[1], leaves[0], leaves[2]):  # released in this order: 20 is oldest
+        tree.release(leaf)
+    d, _ = tree.insert([40] * 4, 3)
+    assert d.chunks == [3]  # the 20-prefix was evicted; the stack hands back its last chunk
+    assert {n.tokens[0] for n in tree.iter_nodes()} == {10, 30, 40}
+    tree.check_integrity()
+
+
+def test_out_of_chunks_holds_nothing():
+    tree = make_tree(num_chunks=2, chunk_size=4)
+    a, _ = tree.insert([1] * 8, 7)
+    with pytest.raises(OutOfChunks):
+        tree.insert([2] * 4, 3)
+    tree.release(a)
+    tree.check_integrity()
+    assert tree.chunk_counts()["in_use"] == 0
+
+
+def test_pinned_prefix_survives_eviction_until_unpinned():
+    tree = make_tree(num_chunks=4, chunk_size=4)
+    p, _ = tree.insert([7] * 8, 8)
+    computed(tree, p)
+    tree.pin(p)
+    tree.release(p)
+    with pytest.raises(OutOfChunks):
+        tree.insert([1] * 12, 11)
+    tree.unpin([7] * 8)
+    leaf, _ = tree.insert([1] * 12, 11)
+    assert leaf.chunks == [2, 3, 1]  # the free ones, then one of the evicted prefix's
+    assert [n.tokens[0] for n in tree.iter_nodes()] == [1]
+    tree.check_integrity()
+
+
+def test_extend_appends_in_place_or_forks_a_child():
+    tree = make_tree()
+    a, _ = tree.insert([1, 2, 3], 2)
+    computed(tree, a)
+    assert tree.extend(a, [4, 5]) is a and a.chunks == [0, 1]
+    b, _ = tree.insert([1, 2, 3, 4, 5, 6], 5)  # shares a's five tokens, a becomes internal
+    c = tree.extend(a, [9])
+    assert c.parent is a and c is not a and c.ref == 1
+    tree.check_integrity()
+
+
+# ---- property test against a simple model: each running sequence is its token list -------------
+
+ops = st.lists(st.tuples(st.sampled_from(["add", "step", "finish", "abort", "pin", "unpin"]),
+                         st.integers(0, 10 ** 6)), min_size=1, max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, chunk_size=st.sampled_from([1, 3, 4]), caching=st.booleans())
+def test_random_streams_keep_the_contract(ops, chunk_size, caching):
+    import random
+    tree = make_tree(num_chunks=24, chunk_size=chunk_size, caching=caching)
+    running: dict[int, tuple[object, list[int]]] = {}  # id -> (leaf, tokens)
+    pinned: list[list[int]] = []
+    for i, (op, r) in enumerate(ops):
+        rng = random.Random(r)
+        if op == "add" or (op == "pin" and caching):
+            prompt = [rng.choice([1, 2]) for _ in range(rng.randint(1, 9))]
+            try:
+                leaf, _ = tree.insert(prompt, len(prompt) if op == "pin" else len(prompt) - 1)
+            except OutOfChunks:
+                continue
+            if op == "pin":
+                computed(tree, leaf)
+                tree.pin(leaf)
+                tree.release(leaf)
+                pinned.append(prompt)
+            else:
+                running[i] = (leaf, prompt)
+        elif op == "step" and running:
+            key = rng.choice(sorted(running))
+            leaf, toks = running[key]
+            computed(tree, leaf)
+            try:
+                leaf = tree.extend(leaf, [rng.choice([1, 2])])
+                running[key] = (leaf, toks + [leaf.tokens[-1]])
+            except OutOfChunks:
+                tree.release(leaf)
+                del running[key]
+        elif op in ("finish", "abort") and running:
+            key = rng.choice(sorted(running))
+            leaf, _ = running.pop(key)
+            if op == "finish":
+                computed(tree, leaf)
+            tree.release(leaf)
+        elif op == "unpin" and pinned:
+            tree.unpin(pinned.pop(rng.randrange(len(pinned))))
+        tree.check_integrity()
+        for leaf, toks in running.values():  # the model: each path spells its tokens
+            assert [t for n in tree.path(leaf) for t in n.tokens] == toks
+    for leaf, _ in running.values():
+        tree.release(leaf)
+    for p in pinned:
+        tree.unpin(p)
+    tree.check_integrity()
+    assert tree.chunk_counts()["in_use"] == 0

@@ -1,0 +1,41 @@
+"""Greedy outputs are token-identical across every attention backend and transformers, on
+shared-system-prompt and hierarchical workloads, with n > 1 and with a pinned system prompt."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixserve import LLM, SamplingParams
+
+from conftest import hf_greedy, run_checked
+
+BACKENDS = ("paged", "relay", "hydragen", "chunk", "auto")
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def workloads(tokenizer, sharegpt_questions):
+    system = tokenizer.encode(" ".join(sharegpt_questions[20:26]))[:300]
+    shared_system = [system + tokenizer.encode(q)[:60] for q in sharegpt_questions[:6]]
+    fewshot = tokenizer.encode(" ".join(sharegpt_questions[26:30]))[:200]
+    problems = [tokenizer.encode(q)[:50] for q in sharegpt_questions[6:9]]
+    hierarchical = [fewshot + p for p in problems]
+    return {"shared-system": (system, shared_system), "hierarchical": (fewshot, hierarchical)}
+
+
+@pytest.fixture(scope="module")
+def references(workloads):
+    return {name: [hf_greedy(p, NEW) for p in prompts] for name, (_, prompts) in workloads.items()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pinned", [False, True], ids=["unpinned", "pinned"])
+def test_greedy_identical_across_backends(workloads, references, backend, pinned):
+    prefixes = [prefix for prefix, _ in workloads.values()]
+    llm = LLM(attention_backend=backend, kv_cache_memory=128 << 20, chunk_size=16,
+              pinned_prefixes=prefixes if pinned else ())
+    params = SamplingParams(temperature=0, n=2, max_tokens=NEW, ignore_eos=True)
+    for name, (_, prompts) in workloads.items():
+        outs = run_checked(llm, prompts, params)
+        for out, ref in zip(outs, references[name]):
+            assert [c.token_ids for c in out.outputs] == [ref, ref], (name, backend)
