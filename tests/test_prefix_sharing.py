@@ -23,11 +23,12 @@ def system_chats(tokenizer, sharegpt_questions):
     system = " ".join(sharegpt_questions[32:])
     sys_ids = tokenizer.encode(system)[:1000]
     system = tokenizer.decode(sys_ids)
-    chats = [tokenizer.apply_chat_template([{"role": "system", "content": system},
-                                            {"role": "user", "content": q[:300]}],
-                                           add_generation_prompt=True)
-             for q in sharegpt_questions[:32]]
-    shared = len(tokenizer.apply_chat_template([{"role": "system", "content": system}]))
+    def ids(messages, **kw):
+        return tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, **kw),
+                                add_special_tokens=False)
+    chats = [ids([{"role": "system", "content": system}, {"role": "user", "content": q[:300]}],
+                 add_generation_prompt=True) for q in sharegpt_questions[:32]]
+    shared = len(ids([{"role": "system", "content": system}]))
     return chats, shared
 
 

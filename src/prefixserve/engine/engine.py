@@ -9,11 +9,10 @@ import time
 
 import torch
 
-from ..attention.base import AttentionShape, create_backend
-from ..config import EngineConfig
-from ..kvcache.chunk_pool import ChunkPool
+from ..config import EngineConfig, ModelConfig
 from ..kvcache.prefix_tree import PrefixTree
 from ..model import loader
+from ..model.parallel import TPGroup, check_divides
 from ..sampling_params import SamplingParams
 from .detokenizer import with_decoded_tokens
 from .model_runner import ModelRunner
@@ -21,11 +20,10 @@ from .request import Request, RequestOutput, Sequence, Status
 from .sampler import Sampler, SampleOutput, make_generator
 from .scheduler import Scheduler, SchedulerOutput
 from .stops import check_stop
+from .workers import Workers, build_rank
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CPU_KV_CACHE_MEMORY = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,33 +43,42 @@ class KVCacheStats:
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
-        self.device = torch.device(cfg.device if cfg.device != "auto" else
-                                   "cuda" if torch.cuda.is_available() else "cpu")
-        self.dtype = _DTYPES.get(cfg.dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         torch.manual_seed(cfg.seed)
-        src = loader.resolve(cfg)
-        self.model_name, self.hf_config = src.name, src.config
-        self.model = loader.load_model(src, self.dtype, self.device, cfg.seed)
-        self.tokenizer = loader.load_tokenizer(src, cfg.tokenizer)
+        tp = cfg.tensor_parallel_size
+        if tp > 1:
+            check_divides(ModelConfig.from_hf(loader.resolve(cfg).config), tp)
+        self.workers = Workers(cfg) if tp > 1 else None
+        try:
+            rank = build_rank(cfg, TPGroup(0, tp))
+        except BaseException:
+            if self.workers:
+                self.workers.kill()
+            raise
+        self.device, self.dtype, self.model, self.pool = rank.device, rank.dtype, rank.model, rank.pool
+        self.backend = rank.backend
+        self.model_name, self.hf_config = rank.source.name, rank.source.config
+        self.tokenizer = loader.load_tokenizer(rank.source, cfg.tokenizer)
         m = self.model.cfg
         self.max_model_len = cfg.max_model_len or m.max_position_embeddings
         if self.max_model_len > m.max_position_embeddings:
             log.warning("max_model_len %d exceeds the model's %d positions: outputs past them are "
                         "extrapolated (fine for speed benchmarks on dummy weights)",
                         self.max_model_len, m.max_position_embeddings)
-        self.pool = self._make_pool()
+        log.info("KV cache: %d chunks of %d tokens", self.pool.num_chunks, self.pool.chunk_size)
         self.tree = PrefixTree(self.pool, cfg.cache.enable_prefix_caching)
         self.scheduler = Scheduler(cfg.scheduler, self.tree)
-        shape = AttentionShape(m.num_heads, m.num_kv_heads, m.head_dim, m.head_dim ** -0.5,
-                               self.dtype, self.device)
-        self.backend = create_backend(cfg.attention_backend, shape)
         self.eos_token_ids = self._eos_ids()
-        self.runner = ModelRunner(self.model, self.pool, self.tree, self.backend,
-                                  Sampler(self.eos_token_ids), self.device)
+        self.runner = ModelRunner(rank, self.tree, Sampler(self.eos_token_ids), self.workers)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.computed_prompt_tokens = 0
         self.peak_physical_tokens = 0
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (if any); the engine is unusable afterwards."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
 
     # ---- the heartbeat ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -203,16 +210,6 @@ class LLMEngine:
                              f"in the KV cache of {self.pool.num_chunks * self.pool.chunk_size} tokens; "
                              "raise kv_cache_memory or lower max_tokens")
         return dataclasses.replace(params, max_tokens=max_tokens) if params.max_tokens is None else params
-
-    def _make_pool(self) -> ChunkPool:
-        m, c = self.model.cfg, self.cfg.cache
-        per_chunk = ChunkPool.bytes_per_chunk(m.num_layers, c.chunk_size, m.num_kv_heads, m.head_dim, self.dtype)
-        memory = c.kv_cache_memory
-        if memory is None:
-            memory = CPU_KV_CACHE_MEMORY if self.device.type == "cpu" else int(0.9 * torch.cuda.mem_get_info(self.device)[0])
-        num_chunks = memory // per_chunk
-        log.info("KV cache: %d chunks of %d tokens (%.1f MiB)", num_chunks, c.chunk_size, num_chunks * per_chunk / 2**20)
-        return ChunkPool(m.num_layers, num_chunks, c.chunk_size, m.num_kv_heads, m.head_dim, self.dtype, self.device)
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set()

@@ -1,41 +1,38 @@
-"""Turns a scheduled step into tensors, runs the model once, samples.
+"""Turns a scheduled step into tensors, runs the model once (on every rank), samples.
 
 The attention batch is built here from the prefix tree (host objects); the backend's `plan`
-turns it into device tensors once per step, and every layer's `run` reuses them.
+turns it into device tensors once per step, and every layer's `run` reuses them. Under tensor
+parallelism the same inputs are broadcast to the other ranks before the forward.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..attention.base import AttentionBackend, AttentionBatch, Segment, SeqQueries
-from ..kvcache.chunk_pool import ChunkPool
+from ..attention.base import AttentionBatch, Segment, SeqQueries
 from ..kvcache.prefix_tree import PrefixTree
 from .sampler import Sampler, SampleOutput
 from .scheduler import SchedulerOutput
+from .workers import RankState, Workers
 
 
 class ModelRunner:
-    def __init__(self, model, pool: ChunkPool, tree: PrefixTree, backend: AttentionBackend,
-                 sampler: Sampler, device: torch.device):
-        self.model, self.pool, self.tree, self.backend = model, pool, tree, backend
-        self.sampler, self.device = sampler, device
+    def __init__(self, rank: RankState, tree: PrefixTree, sampler: Sampler, workers: Workers | None):
+        self.rank, self.tree, self.sampler, self.workers = rank, tree, sampler, workers
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SampleOutput | None:
-        ids, positions, batch, sample_rows = self.prepare(sched)
-        self.backend.plan(batch)
-        hidden = self.model(ids.to(self.device), positions.to(self.device), self.backend,
-                            self.pool.k, self.pool.v)
-        if not sample_rows:
+        inputs = self.prepare(sched)
+        if self.workers is not None:
+            self.workers.broadcast(inputs)
+        logits = self.rank.forward(*inputs)
+        if logits is None:
             return None
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         return self.sampler.sample(logits, [g.seq for g in sched.seqs if g.sample])
 
     def prepare(self, sched: SchedulerOutput):
         """-> input ids [T], positions [T], the AttentionBatch, rows whose logits are sampled."""
         ids, positions, slots, seqs, sample_rows, pinned = [], [], [], [], [], set()
-        C = self.pool.chunk_size
+        C = self.rank.pool.chunk_size
         for g in sched.seqs:
             q_start, end = len(ids), g.start + g.num_tokens
             ids += g.seq.token_ids[g.start:end]

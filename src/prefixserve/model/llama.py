@@ -3,6 +3,7 @@
 A step's tokens from all sequences are one flat batch `[T]`; attention is the only place
 sequences are told apart, and it goes through the step's `AttentionBackend` (plan/run).
 q/k/v and gate/up projections are fused at load time; `load_weights` takes HF names.
+Under tensor parallelism (parallel.py) every size below is this rank's share.
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ from torch import nn
 from ..attention.base import AttentionBackend
 from ..config import ModelConfig
 from .layers import RMSNorm, RotaryEmbedding, apply_rotary
+from .parallel import TPGroup
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.tp, self.head_dim = tp, cfg.head_dim
+        self.num_heads = tp.part(cfg.num_heads, "num_heads")
+        self.num_kv_heads = tp.part(cfg.num_kv_heads, "num_kv_heads")
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.sizes = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
@@ -33,27 +37,44 @@ class Attention(nn.Module):
         q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         o = attn.run(q, k, v.view(t, self.num_kv_heads, self.head_dim), k_cache, v_cache)
-        return self.o_proj(o.reshape(t, -1))
+        return self.tp.all_reduce(self.o_proj(o.reshape(t, -1)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp, self.size = tp, tp.part(cfg.intermediate_size, "intermediate_size")
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.size, bias=False)
+        self.down_proj = nn.Linear(self.size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(nn.functional.silu(gate) * up))
+
+
+class VocabEmbedding(nn.Embedding):
+    """The rows of this rank's vocabulary slice; other ids embed to 0 and the sum is all-reduced."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__(tp.part(cfg.vocab_size, "vocab_size"), cfg.hidden_size)
+        self.tp, self.start = tp, tp.rank * self.num_embeddings
+
+    def forward(self, ids):
+        if self.tp.size == 1:
+            return super().forward(ids)
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.num_embeddings)
+        x = super().forward(local.clamp(0, self.num_embeddings - 1)) * mine[:, None]
+        return self.tp.all_reduce(x)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, cos, sin, attn, k_cache, v_cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, k_cache, v_cache)
@@ -68,15 +89,16 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup()):
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.cfg, self.tp = cfg, tp
+        self.embed_tokens = VocabEmbedding(cfg, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling),
                                       cfg.max_position_embeddings)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, self.embed_tokens.num_embeddings, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 k_caches: torch.Tensor, v_caches: torch.Tensor) -> torch.Tensor:
@@ -88,9 +110,9 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [B, hidden] -> fp32 logits [B, vocab]."""
+        """hidden: [B, hidden] -> fp32 logits [B, vocab] (gathered from every rank)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        return self.tp.all_gather_last(nn.functional.linear(hidden, weight).float())
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -98,6 +120,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         written = set()
         for hf_name, tensor in weights:
+            tensor = self.tp.shard(hf_name, tensor)
             name = hf_name.removeprefix("model.")
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
@@ -120,4 +143,4 @@ class LlamaForCausalLM(nn.Module):
     def _shard_sizes(self, name: str) -> tuple[int, ...]:
         if "qkv_proj" in name:
             return self.layers[0].self_attn.sizes
-        return (self.cfg.intermediate_size, self.cfg.intermediate_size)
+        return (self.layers[0].mlp.size,) * 2

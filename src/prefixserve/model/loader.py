@@ -22,6 +22,7 @@ from typing import Iterator
 import torch
 
 from ..config import EngineConfig, ModelConfig
+from .parallel import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -84,27 +85,46 @@ def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-def load_model(src: ModelSource, dtype: torch.dtype, device: torch.device, seed: int):
+def load_model(src: ModelSource, dtype: torch.dtype, device: torch.device, seed: int,
+               tp: TPGroup = TPGroup()):
     from .llama import LlamaForCausalLM
     mcfg = ModelConfig.from_hf(src.config)
     with torch.device(device):
-        model = LlamaForCausalLM(mcfg).to(dtype)
-    if src.dummy:
-        _init_dummy(model, seed)
-    else:
-        model.load_weights(iter_weights(src))
+        model = LlamaForCausalLM(mcfg, tp).to(dtype)
+    weights = dummy_weights(mcfg, seed, dtype, device) if src.dummy else iter_weights(src)
+    model.load_weights(weights)
     return model.eval()
 
 
-@torch.no_grad()
-def _init_dummy(model: torch.nn.Module, seed: int) -> None:
-    """Random weights with the scale of trained ones: speed does not depend on their values."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, 0.02, generator=gen)
+def dummy_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype,
+                  device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full-size random weights by HF name, each from its own seeded generator, so every
+    tensor-parallel rank slices the same model. Speed does not depend on their values; the
+    scale (std 0.02, norms 1) keeps activations finite."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (cfg.num_heads * d, h),
+            p + "self_attn.k_proj.weight": (cfg.num_kv_heads * d, h),
+            p + "self_attn.v_proj.weight": (cfg.num_kv_heads * d, h),
+            p + "self_attn.o_proj.weight": (h, cfg.num_heads * d),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i)})
+        if cfg.attention_bias:
+            for x, rows in (("q", cfg.num_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
+                shapes[p + f"self_attn.{x}_proj.bias"] = (rows * d,)
+    gen = torch.Generator(device=device)
+    for k, (name, shape) in enumerate(shapes.items()):
+        if name.endswith("norm.weight"):
+            yield name, torch.ones(shape, dtype=dtype, device=device)
+            continue
+        gen.manual_seed(seed * 1_000_003 + k)
+        yield name, torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
 
 
 def load_tokenizer(src: ModelSource, tokenizer: str | None):
