@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from prefixserve.engine.sampler import Sampler, _apply_penalties, make_generator
+from prefixserve.engine.sampler import Sampler, _apply_penalties
 from prefixserve.sampling_params import SamplingParams
 
 EOS = 3
@@ -13,13 +13,13 @@ EOS = 3
 @dataclasses.dataclass
 class Row:
     params: SamplingParams
-    generator: torch.Generator | None = None
+    sample_seed: int | None = None
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 def seeded(seed: int, **kwargs) -> Row:
-    return Row(SamplingParams(seed=seed, **kwargs), make_generator(seed, "cpu"))
+    return Row(SamplingParams(seed=seed, **kwargs), seed)
 
 
 def batch(params: SamplingParams, n: int) -> list[Row]:
@@ -133,13 +133,9 @@ def test_seeded_row_reproducible_and_independent_of_batch():
     for position in (0, 2, 5):
         torch.manual_seed(position)  # the shared generator's state must not matter
         rows = others[:position] + [seeded(7, **kw)] + others[position:]
-        rows = [dataclasses.replace(r, output_token_ids=[], generator=_fresh(r)) for r in rows]
+        rows = [dataclasses.replace(r, output_token_ids=[]) for r in rows]
         assert run_steps(rows, watch=position) == alone
     assert run_steps([seeded(9, **kw)], watch=0) != alone
-
-
-def _fresh(row: Row) -> torch.Generator | None:
-    return make_generator(row.params.seed, "cpu")
 
 
 def test_logprobs_are_raw_log_softmax_with_ranks():
@@ -190,3 +186,20 @@ def test_ignore_eos_does_not_mask_eos():
     logits[0, 6] = 19.0
     params = SamplingParams(temperature=0, min_tokens=5, ignore_eos=True, stop_token_ids=[6])
     assert Sampler((EOS,)).sample(logits, [Row(params)]).token_ids == [EOS]
+
+
+def test_seeded_rows_draw_from_the_right_distribution():
+    """The counter-based noise of seeded rows is a fair Exp(1) race: over many seeds (and over
+    the steps of one seed) tokens come with their probabilities."""
+    logits = PROBS.log().expand(20000, -1).contiguous()
+    rows = [Row(SamplingParams(seed=s), s) for s in range(20000)]
+    out = Sampler((EOS,)).sample(logits, rows).token_ids
+    freq = torch.bincount(torch.tensor(out), minlength=PROBS.numel()).float() / len(out)
+    torch.testing.assert_close(freq, PROBS, atol=0.02, rtol=0)
+    row = Row(SamplingParams(seed=5), 5)
+    steps = []
+    for _ in range(3000):
+        steps += Sampler((EOS,)).sample(PROBS.log()[None], [row]).token_ids
+        row.output_token_ids.append(steps[-1])
+    freq = torch.bincount(torch.tensor(steps), minlength=PROBS.numel()).float() / len(steps)
+    torch.testing.assert_close(freq, PROBS, atol=0.04, rtol=0)

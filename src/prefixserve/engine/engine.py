@@ -17,7 +17,7 @@ from ..sampling_params import SamplingParams
 from .detokenizer import with_decoded_tokens
 from .model_runner import ModelRunner
 from .request import Request, RequestOutput, Sequence, Status
-from .sampler import Sampler, SampleOutput, make_generator
+from .sampler import Sampler, SampleOutput
 from .scheduler import Scheduler, SchedulerOutput
 from .stops import check_stop
 from .workers import Workers, build_rank
@@ -99,7 +99,6 @@ class LLMEngine:
         req = Request(request_id, text, ids, params, prefill_only)
         for i in range(1 if prefill_only else params.n):
             seq = Sequence(next(self._seq_ids), req, i, self.tokenizer)
-            seq.generator = make_generator(None if params.seed is None else params.seed + i, self.device)
             req.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = req

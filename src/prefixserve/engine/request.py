@@ -11,8 +11,6 @@ import dataclasses
 import enum
 import time
 
-import torch
-
 from ..kvcache.prefix_tree import Node
 from ..sampling_params import Logprob, SamplingParams
 from .detokenizer import IncrementalDetokenizer
@@ -35,7 +33,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.leaf: Node | None = None  # the held path's leaf while running
         self.cached_prompt_tokens: int | None = None  # prompt tokens found in the tree at first admission
-        self.generator: torch.Generator | None = None  # set by the engine, on the logits' device
+        # sample i of a seeded request draws with seed + i (vLLM's convention)
+        self.sample_seed = None if self.params.seed is None else self.params.seed + index
         self.detok = IncrementalDetokenizer(tokenizer, self.prompt_token_ids,
                                             self.params.skip_special_tokens) if tokenizer else None
         self.text = ""

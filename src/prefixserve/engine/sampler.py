@@ -12,9 +12,10 @@ when none does:
 
 Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. picks token i with
 probability p_i / sum(p) (the Gumbel-max trick without logs), so the probabilities need no
-renormalising after top_k / top_p / min_p. A seeded row draws exactly V noise values per
-step from its own generator and every other stage is row-wise, so its tokens never depend on
-what else is in the batch. Unseeded rows draw from torch's default generator.
+renormalising after top_k / top_p / min_p. A seeded row's noise is a counter-based hash of
+(its seed, its output length, the token id): drawn for all seeded rows in one vectorised call,
+independent of what else is in the batch, and the same again when a preempted sequence is
+recomputed. Unseeded rows draw from torch's default generator.
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ from prefixserve.sampling_params import Logprob, SamplingParams
 
 
 class SamplingRow(Protocol):
-    """What the sampler reads of one request. `generator` lives on the logits' device."""
+    """What the sampler reads of one request (`sample_seed`: None = unseeded)."""
 
     @property
     def params(self) -> SamplingParams: ...
 
     @property
-    def generator(self) -> torch.Generator | None: ...
+    def sample_seed(self) -> int | None: ...
 
     @property
     def prompt_token_ids(self) -> Sequence[int]: ...
@@ -49,13 +50,6 @@ class SamplingRow(Protocol):
 class SampleOutput:
     token_ids: list[int]  # [B]
     logprobs: list[dict[int, Logprob] | None]  # [B]; None where the row's params.logprobs is None
-
-
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
-    """The per-request generator a row carries: None (shared default RNG) when unseeded."""
-    if seed is None:
-        return None
-    return torch.Generator(device=device).manual_seed(seed)
 
 
 class Sampler:
@@ -169,16 +163,36 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
 
 
 def _exponential_noise(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """[R, V] i.i.d. Exp(1). A seeded row's values come from its own generator only."""
+    """[R, V] i.i.d. Exp(1); a seeded row's values are a function of (seed, step, token) only."""
     noise = torch.empty_like(probs)
-    unseeded = [r for r, row in enumerate(rows) if row.generator is None]
+    unseeded = [r for r, row in enumerate(rows) if row.sample_seed is None]
     if unseeded:
         noise[unseeded] = noise[unseeded].exponential_()
-    for r, row in enumerate(rows):
-        if row.generator is not None:
-            noise[r].exponential_(generator=row.generator)
-    # exponential_ may return 0.0; a zero-probability token must never win through 0 / 0 = nan.
+    seeded = [r for r, row in enumerate(rows) if row.sample_seed is not None]
+    if seeded:
+        keys = [(rows[r].sample_seed, len(rows[r].output_token_ids)) for r in seeded]
+        noise[seeded] = -torch.log(_hash_uniform(keys, probs.shape[1], probs.device)).to(noise.dtype)
+    # a zero-probability token must never win through 0 / 0 = nan
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _pcg(x: torch.Tensor) -> torch.Tensor:
+    """The PCG output hash on 32-bit values held in int64 (every product stays below 2^63)."""
+    state = (x * 747796405 + 2891336453) & _M32
+    word = (((state >> ((state >> 28) + 4)) ^ state) * 277803737) & _M32
+    return (word >> 22) ^ word
+
+
+def _hash_uniform(keys: list[tuple[int, int]], vocab: int, device) -> torch.Tensor:
+    """[len(keys), vocab] float64 in (0, 1): row i, column t hashes (seed_i, step_i, t)."""
+    seeds = torch.tensor([k[0] for k in keys], dtype=torch.int64, device=device)
+    steps = torch.tensor([k[1] for k in keys], dtype=torch.int64, device=device)
+    row = _pcg(_pcg((seeds & _M32) ^ _pcg((seeds >> 32) & _M32)) ^ (steps & _M32))
+    x = _pcg((row[:, None] + torch.arange(vocab, device=device)) & _M32)
+    return (x.double() + 0.5) / 2.0 ** 32
 
 
 def _logprobs(
