@@ -92,7 +92,8 @@ class SamplingParams:
             self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
             f"logprobs must be an int >= 0 or None, got {self.logprobs!r}",
         )
-        _require(self.seed is None or _is_int(self.seed), f"seed must be an int or None, got {self.seed!r}")
+        _require(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed <= 2**63 - 1 - self.n),
+                 f"seed must be an int in [-2**63, 2**63 - 1 - n] or None, got {self.seed!r}")
 
     def _check_distribution(self) -> None:
         t = self.temperature

@@ -89,6 +89,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The most tokens (prompt + generated) one sequence can ever hold: the context, or what
+        the KV cache can give it with one chunk to spare."""
+        return min(self.max_model_len, (self.pool.num_chunks - 1) * self.pool.chunk_size)
+
+
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     prefill_only: bool = False) -> Request:
@@ -199,14 +206,14 @@ class LLMEngine:
         if len(ids) + (0 if prefill_only else 1) > max_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is {max_len} "
                              "tokens including at least one generated token")
-        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(ids)
+        C, room = self.pool.chunk_size, self.max_sequence_tokens
+        max_tokens = params.max_tokens if params.max_tokens is not None else room - len(ids)
         if len(ids) + max_tokens > max_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
                              f"the context of {max_len} tokens")
-        need = -(-(len(ids) + max_tokens) // self.pool.chunk_size) + 1
-        if need > self.pool.num_chunks:
+        if len(ids) + max_tokens > room or max_tokens < 1:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) can never fit "
-                             f"in the KV cache of {self.pool.num_chunks * self.pool.chunk_size} tokens; "
+                             f"in the KV cache of {self.pool.num_chunks * C} tokens; "
                              "raise kv_cache_memory or lower max_tokens")
         return dataclasses.replace(params, max_tokens=max_tokens) if params.max_tokens is None else params
 

@@ -1,0 +1,299 @@
+"""`AsyncEngine`: the `LLMEngine` on its own thread, driven from asyncio.
+
+The engine is not thread-safe, so exactly one thread (started by `start()`) ever touches it.
+Everything else reaches it through a command queue of closures run between steps:
+
+    asyncio ── add / abort / inspect ──> command queue ──> engine thread: commands, step(), repeat
+       ^                                                       │
+       └──── loop.call_soon_threadsafe(RequestStream._put) <───┘  (one per request, per step)
+
+The thread sleeps on an event while it has no work. `add_request` returns a `RequestStream`
+once the engine accepted the request (its `ValueError` is re-raised in the caller). Outputs
+are cumulative, so a consumer that falls behind reads only the newest one. After each loop
+iteration the thread records a heartbeat and, at most every `SNAPSHOT_INTERVAL_S`, a snapshot
+of the engine's state, which readers on other threads (health, metrics) may use freely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable, Protocol
+
+from ..sampling_params import SamplingParams
+from .engine import KVCacheStats, LLMEngine
+from .request import RequestOutput
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_INTERVAL_S = 0.2
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (shut down, or a step raised)."""
+
+
+class RequestAborted(Exception):
+    """The request was aborted before it finished (by the caller or at shutdown)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSnapshot:
+    running_requests: int
+    waiting_requests: int
+    kv: KVCacheStats
+    schedule: str  # the attention schedule the last step ran (the backend's name unless `auto`)
+
+
+class StepObserver(Protocol):
+    """Called on the engine thread (metrics); must be quick and must not touch the engine."""
+
+    def on_add(self, request_id: str, now: float) -> None: ...
+    def on_step(self, outputs: list[RequestOutput], schedule: str, now: float) -> None: ...
+    def on_remove(self, request_id: str) -> None: ...
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator; ends after the finished output.
+    Raises `RequestAborted` if the request was aborted, `EngineDeadError` if the engine died."""
+
+    def __init__(self, request_id: str, engine: "AsyncEngine", loop: asyncio.AbstractEventLoop):
+        self.request_id, self._engine, self.loop = request_id, engine, loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:  # on the event loop
+        self._queue.put_nowait(item)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not self._queue.empty() and not isinstance(item, BaseException):
+            item = self._queue.get_nowait()  # cumulative outputs: the newest is enough
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished; idempotent."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None):
+        self._engine, self._observer = engine, observer
+        self.tokenizer, self.model_name = engine.tokenizer, engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.max_sequence_tokens = engine.max_sequence_tokens
+        self.backend_name = engine.backend.name
+        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future | None]] = \
+            collections.deque()
+        self._lock = threading.Lock()  # guards _commands' closing: no command is queued after the last drain
+        self._stopped = False
+        self._wake = threading.Event()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._loop, name="prefixserve-engine", daemon=True)
+        self._closing = False
+        self._error: BaseException | None = None
+        self._busy = False
+        self._heartbeat = time.monotonic()
+        self._snapshot_time = 0.0
+        self.snapshot = self._take_snapshot()
+
+    # ---- lifecycle (any thread / the event loop) -------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop_accepting(self) -> None:
+        """From now on add_request raises EngineDeadError and health() reports shutting down."""
+        self._closing = True
+
+    def abort_all(self) -> None:
+        """Abort every request in flight; their streams raise RequestAborted."""
+        self._submit(self._abort_all)
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop accepting requests, abort those in flight, and join the engine thread."""
+        self.stop_accepting()
+        self._submit(self._stop)
+        if self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join, timeout)
+        log.info("engine thread stopped")
+
+    def health(self, stall_timeout: float) -> str | None:
+        """None when healthy; else why not: the thread is gone, or it has work but no step
+        finished within `stall_timeout` seconds."""
+        if self._error is not None:
+            return f"engine failed: {self._error!r}"
+        if self._closing:
+            return "the server is shutting down"
+        if not self._thread.is_alive():
+            return "engine is not running"
+        stalled = time.monotonic() - self._heartbeat
+        if self._busy and stalled > stall_timeout:
+            return f"engine has made no progress for {stalled:.0f} s"
+        return None
+
+    # ---- requests (the event loop) ---------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: str | list[int],
+                          params: SamplingParams) -> RequestStream:
+        """Raises ValueError (bad input, from the engine) or EngineDeadError."""
+        stream = RequestStream(request_id, self, asyncio.get_running_loop())
+        future = self._call(lambda: self._add(stream, prompt, params))
+        try:
+            await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the caller went away while the engine was busy
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._submit(lambda: self._abort(request_id, RequestAborted(request_id)))
+
+    async def inspect(self, timeout: float | None = None) -> dict[str, Any]:
+        """check_integrity() and kv_cache_stats() on the engine thread (health detail, tests);
+        raises AssertionError if the integrity check fails."""
+        return await asyncio.wait_for(asyncio.wrap_future(self._call(self._inspect)), timeout)
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def _call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        if self._closing:
+            raise EngineDeadError(self.health(0.0) or "engine is not running")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(fn, future)
+        return future
+
+    def _submit(self, fn: Callable[[], Any], future: concurrent.futures.Future | None = None) -> None:
+        with self._lock:
+            if self._stopped:
+                if future is not None:
+                    future.set_exception(EngineDeadError(self.health(0.0) or "engine is not running"))
+                return
+            self._commands.append((fn, future))
+        self._wake.set()
+
+    # ---- the engine thread --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while self._run_commands():
+                self._busy = self._engine.has_unfinished()
+                self._heartbeat = time.monotonic()
+                if self._busy:
+                    self._step()
+                else:
+                    self._publish(force=True)
+                    self._wake.wait()
+        except BaseException as e:  # noqa: BLE001 - reported through health and every stream
+            log.exception("engine step failed; the engine is stopped")
+            self._error = e
+            self._fail_all(EngineDeadError(f"engine failed: {e!r}"))
+        finally:
+            self._close_commands()
+
+    def _run_commands(self) -> bool:
+        """Run the queued commands; False once the stop command ran."""
+        self._wake.clear()
+        while self._commands:
+            fn, future = self._commands.popleft()
+            if future is None:
+                if fn() is False:
+                    return False
+            elif future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(e)
+        return True
+
+    def _close_commands(self) -> None:
+        with self._lock:
+            self._stopped = True
+        error = EngineDeadError("engine is not running")
+        for _, future in self._commands:
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(error)
+        self._commands.clear()
+
+    def _step(self) -> None:
+        outputs = self._engine.step()
+        now = time.monotonic()
+        if self._observer is not None:
+            self._observer.on_step(outputs, self._schedule(), now)
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                self._send(stream, out)
+            if out.finished:
+                self._forget(out.request_id)
+        self._publish(force=False)
+
+    def _add(self, stream: RequestStream, prompt: str | list[int], params: SamplingParams) -> None:
+        self._engine.add_request(stream.request_id, prompt, params)
+        self._streams[stream.request_id] = stream
+        if self._observer is not None:
+            self._observer.on_add(stream.request_id, time.monotonic())
+
+    def _abort(self, request_id: str, reason: BaseException) -> None:
+        self._engine.abort(request_id)
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self._send(stream, reason)
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        del self._streams[request_id]
+        if self._observer is not None:
+            self._observer.on_remove(request_id)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._streams):
+            self._abort(request_id, RequestAborted("the server is shutting down"))
+
+    def _stop(self) -> bool:
+        self._abort_all()
+        return False
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            self._send(stream, error)
+        self._streams.clear()
+
+    @staticmethod
+    def _send(stream: RequestStream, item: RequestOutput | BaseException) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream._put, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _schedule(self) -> str:
+        return getattr(self._engine.backend, "chosen", None) or self.backend_name
+
+    def _publish(self, force: bool) -> None:
+        now = time.monotonic()
+        if force or now - self._snapshot_time >= SNAPSHOT_INTERVAL_S:
+            self.snapshot, self._snapshot_time = self._take_snapshot(), now
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        sched = self._engine.scheduler
+        running = {s.request.request_id for s in sched.running}
+        waiting = {s.request.request_id for s in sched.waiting} - running
+        return EngineSnapshot(len(running), len(waiting), self._engine.kv_cache_stats(), self._schedule())
+
+    def _inspect(self) -> dict[str, Any]:
+        self._engine.check_integrity()
+        snap = self._take_snapshot()
+        return {"integrity": "ok", "running": snap.running_requests, "waiting": snap.waiting_requests,
+                "streams": len(self._streams), **dataclasses.asdict(snap.kv)}

@@ -1,0 +1,85 @@
+"""`prefixserve serve`: load the engine, pin system prompts, serve the OpenAI API with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import pathlib
+
+from .config import LIMIT_HELP, ServerConfig, ServerLimits
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "PREFIXSERVE_API_KEY"
+
+
+def register(sub) -> None:
+    from ..cli import add_engine_args
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                       description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, "
+                                   "/metrics and /version over HTTP.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer KEY` on every route but "
+                   f"GET /health (default: ${API_KEY_ENV}; neither set: no auth)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's)")
+    p.add_argument("--pin-system-prompt", action="append", default=[], metavar="FILE",
+                   help="a file whose text is a system prompt: its chat-templated prefix is computed once at "
+                        "start and never evicted (repeatable; the file's final newlines are dropped)")
+    p.add_argument("--health-stall-timeout", type=float, default=ServerConfig.health_stall_timeout,
+                   help="seconds with work but no finished step before /health answers 503")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="on SIGINT/SIGTERM, seconds in-flight requests get before they are aborted")
+    g = p.add_argument_group("limits (a request over one is refused with a 4xx)")
+    for f in dataclasses.fields(ServerLimits):
+        g.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, help=LIMIT_HELP[f.name])
+    add_engine_args(p)
+    p.set_defaults(func=serve)
+
+
+def serve(args: argparse.Namespace) -> int:
+    from ..cli import engine_kwargs
+    from ..config import EngineConfig
+    from ..engine.async_engine import AsyncEngine
+    from ..engine.engine import LLMEngine
+    from .api import create_app
+    from .metrics import Metrics
+    from .runner import run
+
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    # validated now, before the model loads; the default model name is known only after
+    cfg = ServerConfig(args.served_model_name or "pending", api_key, limits, args.health_stall_timeout)
+    pins = [_read(path) for path in args.pin_system_prompt]  # fail before the model loads
+    engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
+    if args.served_model_name is None:
+        cfg = dataclasses.replace(cfg, served_model_name=engine.model_name)
+    for path, text in zip(args.pin_system_prompt, pins):
+        _pin(engine, path, text)
+    if cfg.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without an API key", args.host)
+    metrics = Metrics(cfg.served_model_name, engine.backend.name)
+    async_engine = AsyncEngine(engine, observer=metrics)
+    metrics.watch(lambda: async_engine.snapshot)
+    app = create_app(async_engine, cfg, metrics)
+    return run(app, async_engine, args.host, args.port, args.shutdown_timeout)
+
+
+def _read(path: str) -> str:
+    try:
+        text = pathlib.Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read the system prompt file {path}: {e}") from e
+    if not text.strip():
+        raise ValueError(f"the system prompt file {path} is empty")
+    return text.rstrip("\n")  # the newline that ends a text file is not part of the prompt
+
+
+def _pin(engine, path: str, text: str) -> None:
+    from .chat import system_prefix_ids
+    ids = engine.pin_prefix(system_prefix_ids(engine.tokenizer, text))
+    log.info("pinned the system prompt of %s: %d tokens", path, len(ids))

@@ -1,0 +1,81 @@
+"""Checks on the raw ASGI scope, before routing, so they cover every route (unknown ones too).
+
+- `AuthMiddleware`: with an API key set, every request but a plain `GET /health` (no query:
+  its `?detail=1` form runs the integrity check, which costs engine time) needs
+  `Authorization: Bearer KEY`; compared in constant time.
+- `BodyLimitMiddleware`: reads the body up to `max_body_bytes` (413 above it, whether declared
+  by Content-Length or streamed chunked), then replays it to the app; later `receive()` calls
+  go to the server, so the app still learns of a client's disconnect.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import error_response
+
+_BODY_METHODS = {"POST", "PUT", "PATCH"}
+
+
+class AuthMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or self._allowed(scope):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008})
+        response = error_response(401, "invalid or missing API key: send `Authorization: Bearer KEY`",
+                                  None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+    def _allowed(self, scope: Scope) -> bool:
+        if scope["path"] == "/health" and not scope.get("query_string"):
+            return True
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        return hmac.compare_digest(given, self._expected)
+
+
+class BodyLimitMiddleware:
+    def __init__(self, app: ASGIApp, max_body_bytes: int):
+        self.app, self.limit = app, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in _BODY_METHODS:
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.limit:
+            return await self._too_large(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its body
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._too_large(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(413, f"the request body is over the limit of {self.limit} bytes",
+                                  None, "request_too_large", {"Connection": "close"})
+        await response(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+    return replay

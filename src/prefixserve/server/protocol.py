@@ -1,0 +1,111 @@
+"""Request bodies of the OpenAI API, as pydantic models: the only pydantic in prefixserve.
+
+Strict: a string is not a number, 1 is not `true`, NaN is not a number, so a wrong type is a
+400, never a guess.
+Unknown fields are ignored (as OpenAI-compatible servers do); known fields this server cannot
+honour (`echo`, `suffix`, `tools`, `logit_bias`, ...) are refused rather than silently dropped.
+Responses are plain dicts, built in completions.py / chat.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class SamplingFields(_Strict):
+    """Fields both endpoints share; None means "the default"."""
+
+    model: str
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 63 - 1024)  # seed + i (one per sample) fits int64
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        for name in ("logit_bias", *self.UNSUPPORTED):
+            value = getattr(self, name)
+            if value not in (None, False, {}, []):
+                raise ValueError(f"{name} is not supported by this server")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    UNSUPPORTED = ("echo", "suffix")
+
+    @model_validator(mode="after")
+    def _check_best_of(self):
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ValueError("best_of other than n is not supported by this server")
+        return self
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    UNSUPPORTED = ("tools", "tool_choice")
+
+    @model_validator(mode="after")
+    def _check_chat(self):
+        if self.response_format not in (None, {"type": "text"}):
+            raise ValueError("response_format other than {'type': 'text'} is not supported by this server")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self

@@ -1,0 +1,186 @@
+"""Every bad request gets its 4xx with an OpenAI-shaped body, and the server keeps serving."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+
+from server_process import launch
+
+CONCURRENCY_LIMIT = 2
+MAX_TOKENS_LIMIT = 64
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from launch(tmp_path_factory, "--max-concurrent-requests", str(CONCURRENCY_LIMIT),
+                      "--max-body-bytes", str(256 << 10), "--max-tokens", str(MAX_TOKENS_LIMIT))
+
+
+def completion(server, **fields) -> dict:
+    return {"model": server.model, "prompt": "Hello", "max_tokens": 2, **fields}
+
+
+def chat(server, **fields) -> dict:
+    return {"model": server.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **fields}
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    assert error["type"] == {401: "authentication_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+def assert_serves(server) -> None:
+    r = server.post("/v1/completions", completion(server, max_tokens=1))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 1
+
+
+BAD_BODIES = {
+    "malformed json": (b'{"model": "x", "prompt": ', None),
+    "json not an object": (b"[1, 2, 3]", None),
+    "invalid utf-8": (b'{"model": "M", "prompt": "caf\xe9 \xff\xfe"}', None),
+    "empty body": (b"", None),
+    "lone surrogate": (b'{"model": "M", "prompt": "a\\ud800b"}', None),
+    "NaN": (b'{"model": "M", "prompt": "a", "temperature": NaN}', None),
+    "int beyond int64": (b'{"model": "M", "prompt": "a", "seed": 1' + b"0" * 30 + b"}", None),
+}
+
+BAD_COMPLETIONS = {
+    "max_tokens wrong type": ({"max_tokens": "8"}, "max_tokens"),
+    "temperature wrong type": ({"temperature": "hot"}, "temperature"),
+    "stream wrong type": ({"stream": "yes"}, "stream"),
+    "n not an int": ({"n": 1.5}, "n"),
+    "prompt wrong type": ({"prompt": {"text": "hi"}}, "prompt"),
+    "prompt token not an int": ({"prompt": [1, "a"]}, "prompt.1"),
+    "prompt token out of vocabulary": ({"prompt": [1, 10 ** 9]}, None),
+    "negative max_tokens": ({"max_tokens": -1}, "max_tokens"),
+    "zero max_tokens": ({"max_tokens": 0}, "max_tokens"),
+    "huge max_tokens": ({"max_tokens": 10 ** 12}, "max_tokens"),
+    "max_tokens over the server's limit": ({"max_tokens": MAX_TOKENS_LIMIT + 1}, "max_tokens"),
+    "n zero": ({"n": 0}, "n"),
+    "n huge": ({"n": 10 ** 6}, "n"),
+    "negative temperature": ({"temperature": -1}, "temperature"),
+    "top_p zero": ({"top_p": 0}, "top_p"),
+    "huge logprobs": ({"logprobs": 10 ** 6}, "logprobs"),
+    "too many stop strings": ({"stop": [f"s{i}" for i in range(50)]}, "stop"),
+    "stop string too long": ({"stop": "x" * 10_000}, "stop"),
+    "empty stop string": ({"stop": [""]}, "stop"),
+    "prompt over the context": ({"prompt": "hello " * 9000}, None),
+    "empty prompt": ({"prompt": []}, None),
+    "batched prompts": ({"prompt": ["a", "b"]}, "prompt"),
+    "echo unsupported": ({"echo": True}, None),
+    "missing model": ({"model": None}, "model"),
+}
+
+BAD_CHATS = {
+    "messages not a list": ({"messages": "hi"}, "messages"),
+    "no messages": ({"messages": []}, "messages"),
+    "unknown role": ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    "huge top_logprobs": ({"logprobs": True, "top_logprobs": 10 ** 6}, "top_logprobs"),
+    "top_logprobs without logprobs": ({"top_logprobs": 2}, None),
+    "logprobs wrong type": ({"logprobs": 1}, "logprobs"),
+    "huge max_completion_tokens": ({"max_completion_tokens": 10 ** 12}, "max_completion_tokens"),
+    "tools unsupported": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, None),
+}
+
+
+@pytest.mark.parametrize("body", BAD_BODIES.values(), ids=BAD_BODIES.keys())
+def test_unparsable_body_is_400(server, body):
+    content, param = body
+    assert_error(server.post("/v1/completions", content=content), 400, param)
+    assert_serves(server)
+
+
+@pytest.mark.parametrize("case", BAD_COMPLETIONS.values(), ids=BAD_COMPLETIONS.keys())
+def test_bad_completion_is_400(server, case):
+    fields, param = case
+    body = {k: v for k, v in completion(server, **fields).items() if v is not None}
+    assert_error(server.post("/v1/completions", body), 400, param)
+    assert_serves(server)
+
+
+@pytest.mark.parametrize("case", BAD_CHATS.values(), ids=BAD_CHATS.keys())
+def test_bad_chat_is_400(server, case):
+    fields, param = case
+    assert_error(server.post("/v1/chat/completions", chat(server, **fields)), 400, param)
+    assert_serves(server)
+
+
+def test_unset_max_tokens_is_capped_by_the_limit(server):
+    r = server.post("/v1/chat/completions", {k: v for k, v in chat(server, ignore_eos=True).items() if k != "max_tokens"})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS_LIMIT
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_unknown_model_is_404(server):
+    assert_error(server.post("/v1/completions", completion(server, model="gpt-17")), 404, "model", "model_not_found")
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "x"}])
+    assert_error(server.get("/v1/models/gpt-17"), 404, "model", "model_not_found")
+    assert_serves(server)
+
+
+def test_body_over_the_limit_is_413(server):
+    big = completion(server, prompt="word " * 100_000)
+    assert_error(server.post("/v1/completions", big), 413, code="request_too_large")
+    chunked = server.post("/v1/completions", content=iter([b'{"prompt": "', b"x" * (300 << 10), b'"}']))
+    assert_error(chunked, 413)
+    assert_serves(server)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/models", "/metrics", "/version", "/no/such/route",
+                                  "/health?detail=1"])
+@pytest.mark.parametrize("key", [None, "wrong-key"])
+def test_auth_is_required_everywhere_but_health(server, path, key):
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    method = httpx.post if path == "/v1/completions" else httpx.get
+    r = method(server.url + path, headers=headers, **({"json": completion(server)} if method is httpx.post else {}))
+    assert_error(r, 401, code="invalid_api_key")
+
+
+def test_auth_with_the_client(server):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
+    assert httpx.get(server.url + "/health").status_code == 200  # no key needed
+    assert_error(server.get("/no/such/route"), 404, code="unknown_url")
+    assert_error(server.get("/v1/completions"), 405)
+
+
+def test_too_many_concurrent_requests_is_429(server):
+    """Hold every slot with long streams, then one more request is refused; afterwards all is well."""
+    long = completion(server, max_tokens=MAX_TOKENS_LIMIT, ignore_eos=True, stream=True)
+    started = threading.Barrier(CONCURRENCY_LIMIT + 1)
+    results = []
+
+    def hold():
+        with httpx.stream("POST", server.url + "/v1/completions", json=long, headers=server.headers, timeout=120) as r:
+            lines = r.iter_lines()
+            results.append((r.status_code, next(lines)))  # the first event: the request is running
+            started.wait()
+            started.wait()  # until the 429 was seen; closing the stream then aborts the request
+
+    threads = [threading.Thread(target=hold) for _ in range(CONCURRENCY_LIMIT)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=60)
+    try:
+        assert_error(server.post("/v1/completions", completion(server)), 429)
+    finally:
+        started.wait(timeout=60)
+        for t in threads:
+            t.join()
+    assert [status for status, _ in results] == [200] * CONCURRENCY_LIMIT
+    server.wait_idle(timeout=30)
+    assert_serves(server)
