@@ -13,8 +13,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 
 
 def distinct_prefix_tokens(prompts: list[list[int]]) -> int:
-    """Tokens a prefix tree over these prompts holds: each shared prefix counted once."""
-    return len({tuple(p[:i + 1]) for p in prompts for i in range(len(p))})
+    """Prompt tokens that must be computed with each shared prefix computed once: the tokens of a
+    prefix tree over the prompts, plus one for each repeated prompt (every sequence computes its
+    own last prompt token, whose logits it samples from)."""
+    tree = {tuple(p[:i + 1]) for p in prompts for i in range(len(p))}
+    return len(tree) + len(prompts) - len({tuple(p) for p in prompts})
 
 
 @pytest.fixture(scope="module")

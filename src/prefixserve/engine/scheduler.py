@@ -59,20 +59,27 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         preempted = self._grow_running()
+        if not preempted:
+            self._admit_waiting()
         budget, claimed, granted = self.cfg.max_num_batched_tokens, set(), []
         for seq in self.running:
             if budget > 0 and (g := self._grant(seq, budget, claimed)):
                 granted.append(g)
                 budget -= g.num_tokens
-        while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget > 0 and not preempted:
-            if not self._admit(self.waiting[0]):
-                break
-            seq = self.waiting.popleft()
-            if g := self._grant(seq, budget, claimed):
-                granted.append(g)
-                budget -= g.num_tokens
         granted.sort(key=lambda g: [n.id for n in self.tree.path(g.seq.leaf)])
         return SchedulerOutput(granted, preempted)
+
+    def _admit_waiting(self) -> None:
+        """Admit in arrival order while the step's token budget has room. All admissions come
+        before any grant: an admission may split a node, and claims name nodes."""
+        demand = sum(s.num_tokens - self.tree.frontier(s.leaf)[0] for s in self.running)
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs and demand < self.cfg.max_num_batched_tokens:
+            seq = self.waiting[0]
+            matched = self._admit(seq)
+            if matched is None:
+                break
+            self.waiting.popleft()
+            demand += seq.num_tokens - matched
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Stop a sequence (running or waiting) and release its path."""
@@ -84,20 +91,21 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
-    def _admit(self, seq: Sequence) -> bool:
+    def _admit(self, seq: Sequence) -> int | None:
+        """Insert the sequence's tokens into the tree; -> tokens matched, None if out of chunks."""
         tokens = seq.token_ids
         limit = len(tokens) if seq.request.prefill_only else len(tokens) - 1
         try:
             seq.leaf, matched = self.tree.insert(tokens, limit)
         except OutOfChunks:
-            return False
+            return None
         if seq.cached_prompt_tokens is None:  # first admission (not a return from preemption)
             seq.cached_prompt_tokens = matched
             self.prefix_hit_tokens += matched
             self.prompt_tokens += len(seq.prompt_token_ids)
         seq.status = Status.RUNNING
         self.running.append(seq)
-        return True
+        return matched
 
     def _grant(self, seq: Sequence, budget: int, claimed: set[int]) -> ScheduledSeq | None:
         start, node = self.tree.frontier(seq.leaf)
