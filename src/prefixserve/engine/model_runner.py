@@ -42,7 +42,7 @@ class ModelRunner:
                 if node.pos_start >= end:
                     break
                 length = min(len(node.tokens), end - node.pos_start)
-                segments.append(Segment(node.id, node.pos_start, length, tuple(node.chunks), node.offset))
+                segments.append(Segment(node.id, node.pos_start, length, node.chunk_tuple(), node.offset))
                 lo = max(g.start, node.pos_start)
                 slots += (node.slot(p - node.pos_start, C) for p in range(lo, node.pos_start + length))
                 if node.pins:

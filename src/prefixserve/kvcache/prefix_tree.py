@@ -28,8 +28,8 @@ from .chunk_pool import ChunkPool, OutOfChunks
 
 
 class Node:
-    __slots__ = ("id", "parent", "children", "index", "tokens", "offset", "chunks", "pos_start",
-                 "num_computed", "ref", "pins", "last_use", "tail_child", "listed")
+    __slots__ = ("id", "parent", "children", "index", "tokens", "offset", "_chunks", "_chunk_tuple",
+                 "pos_start", "num_computed", "ref", "pins", "last_use", "tail_child", "listed")
 
     def __init__(self, node_id: int, parent: "Node | None", tokens: list[int], offset: int,
                  chunks: list[int], pos_start: int):
@@ -40,6 +40,21 @@ class Node:
         self.num_computed = self.ref = self.pins = self.last_use = 0
         self.tail_child: Node | None = None
         self.listed = True
+
+    @property
+    def chunks(self) -> list[int]:
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, value: list[int]) -> None:
+        self._chunks, self._chunk_tuple = value, ()
+
+    def chunk_tuple(self) -> tuple[int, ...]:
+        """`chunks` as a tuple, rebuilt only when they changed (they only grow in place): the
+        attention batch of every step names them, once per sequence below this node."""
+        if len(self._chunk_tuple) != len(self._chunks):
+            self._chunk_tuple = tuple(self._chunks)
+        return self._chunk_tuple
 
     @property
     def end(self) -> int:
