@@ -27,6 +27,16 @@ class LLM:
         for prefix in pinned_prefixes:
             self.pin_prefix(prefix)
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also at interpreter exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
