@@ -65,11 +65,14 @@ class CostModel:
         return GPU_COST_MODEL if torch.device(device).type == "cuda" else CPU_COST_MODEL
 
 
-# H100-class GPU (rated 3.35 TB/s HBM3, ~990 TFLOP/s dense bf16): ~3 TB/s achievable copy
-# bandwidth, ~600 TFLOP/s sustained; a launch ~4 us; an item's ~1 us fixed cost spread over the
-# ~100 SMs that run items in parallel. Estimates until bench/kernels.py measures them.
-GPU_COST_MODEL = CostModel(bandwidth=3.0e12, matrix_rate=6.0e14,
-                           item_overhead_s=1.0e-8, launch_overhead_s=4.0e-6)
+# Fitted to `prefixserve bench kernels` on an H200 (benchmarks/results/kernels-nvidia-h200.json;
+# the Triton kernels; least squares on log time over 96 backend x row timings, the launch cost
+# held at the ~3 us an extra kernel adds to a CUDA graph): decode tails stream K/V at ~4.4 TB/s
+# (a read-mostly stream beats the 4.2 TB/s copy), shared items' products run at ~350 TFLOP/s,
+# an item costs ~0.3 us (its units' start-up, partials and merge inputs). With these, auto's
+# pick is the measured best on all 24 rows (relay == hydragen on one-level trees).
+GPU_COST_MODEL = CostModel(bandwidth=4.4e12, matrix_rate=3.5e14,
+                           item_overhead_s=3.0e-7, launch_overhead_s=3.0e-6)
 # The PyTorch reference ops, one thread of a shared 2-core VM (measured: paged decode runs at
 # ~0.5-0.7 GB/s of K/V and ~180 us per item; prefill products at 11-15 GFLOP/s).
 CPU_COST_MODEL = CostModel(bandwidth=1.0e9, matrix_rate=1.5e10,

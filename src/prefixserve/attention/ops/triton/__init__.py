@@ -1,0 +1,26 @@
+"""Triton twins of `ops.reference` (same signatures), and `TritonKernels`, the GPU executor.
+
+    store.py     store_kv        scatter new K/V into chunk slots
+    attend.py    attend_items    every work unit in one launch (tensor-core products, split-K)
+    merge.py     merge_partials  log-sum-exp merge, one pass per row
+    worklist.py  units and split-K merge CSR, built on the host at plan time (numpy only)
+    kernels.py   TritonKernels   plan/run glue for `backends.scheduled`
+
+triton is imported lazily (attribute access below), so this package imports on a CPU-only
+machine without triton; `worklist` never needs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_WHERE = {"store_kv": "store", "attend_items": "attend", "merge_partials": "merge",
+          "TritonKernels": "kernels", "KernelConfig": "worklist"}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

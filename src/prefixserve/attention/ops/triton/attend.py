@@ -1,0 +1,234 @@
+"""The attend kernel: every work unit of a schedule, in one launch per unit class (`worklist`).
+
+Program (unit u, KV head h) computes, for the unit's R query rows x the G query heads of h
+(M = R * G rows, one tile), attention over the unit's entries, as fp32 partials:
+
+    q tile   [BLOCK_M, D]   row m = (query row u.q_start + m // G, head h * G + m % G)
+    keys     virtual slots: entry e0 + v // C_PAD, slot v % C_PAD of its chunk; a slot is a key
+             iff it lies in the entry's [lo, hi); tiles of BLOCK_N virtual slots cover
+             [e0, e1) (C_PAD = next_pow2(C)). BLOCK_N <= C_PAD: a tile is a slot range of one
+             chunk (scalar index loads, one base address + hoisted offsets); else it spans
+             BLOCK_N / C_PAD whole chunks (per-key gathers)
+    scores   q @ k^T (tensor cores), masked to the entry's slots and, if CAUSAL, by position:
+             key position kv_pos[e] + slot - lo[e] <= q_pos[row] (decode launches need no
+             position mask: every key a decode row reads precedes it)
+    online softmax in base 2 (FlashAttention), then o = acc / l, lse = ln 2 * (m + log2 l)
+
+A row that sees no key writes (0, -inf). Masked lanes read nothing (loads return 0), so a NaN
+in an unused slot cannot leak in.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from .merge import merge_rows
+from .worklist import KernelConfig, build_worklist, choose_configs, next_pow2
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _rows_mask(rows_ok, col_ok, EVEN_D: tl.constexpr):
+    """[R, 1] (D a power of two: constant along each row, so accesses stay 16 bytes wide) or
+    [R, BLOCK_D] (padded D) mask of a tile's valid elements."""
+    if EVEN_D:
+        return rows_ok[:, None]
+    else:
+        return rows_ok[:, None] & col_ok
+
+
+@triton.jit
+def _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc, scale_log2,
+                 CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One K/V tile ([BLOCK_N, BLOCK_D] each) into the running (m_i, l_i, acc) of qt's rows."""
+    if DOT_FP32:
+        kt = kt.to(tl.float32)
+    s = tl.dot(qt, tl.trans(kt), input_precision=PRECISION) * scale_log2
+    if CAUSAL:
+        s = tl.where(key_ok[None, :] & (k_pos[None, :] <= qp[:, None]), s, float("-inf"))
+    else:
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp2 finite
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    pv = p.to(vt.dtype)  # 16-bit P on the tensor cores, as FlashAttention
+    if DOT_FP32:
+        pv, vt = pv.to(tl.float32), vt.to(tl.float32)
+    acc = tl.dot(pv, vt, acc * alpha[:, None], input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_kernel(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_pos, o, lse,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                   scale_log2, chunk_size,
+                   HKV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   C_PAD: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+                   PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    pid = tl.program_id(0)
+    u, h = pid // HKV, pid % HKV  # adjacent programs: the same unit's KV heads
+    q_start = tl.load(units + u * 5)
+    q_len = tl.load(units + u * 5 + 1)
+    e0 = tl.load(units + u * 5 + 2)
+    e1 = tl.load(units + u * 5 + 3)
+    out = tl.load(units + u * 5 + 4)
+
+    m = tl.arange(0, BLOCK_M)
+    row, head = m // G, h * G + m % G  # [BLOCK_M]
+    row_ok = row < q_len
+    d = tl.arange(0, BLOCK_D)
+    col_ok = (d < HEAD_DIM)[None, :]
+    q_ptr = q + (q_start + row)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh
+    qt = tl.load(q_ptr + d[None, :], mask=_rows_mask(row_ok, col_ok, BLOCK_D == HEAD_DIM),
+                 other=0.0)
+    if DOT_FP32:
+        qt = qt.to(tl.float32)
+    qp = tl.load(q_pos + q_start + row, mask=row_ok, other=-1)  # masked rows see nothing
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    row_stride = HKV * HEAD_DIM  # elements per cache slot; caches are contiguous
+    head_off = h * HEAD_DIM
+    if BLOCK_N <= C_PAD:  # a tile is slots [slot0, slot0 + BLOCK_N) of one entry's chunk
+        tile_off = n[:, None] * row_stride + d[None, :]  # [BLOCK_N, BLOCK_D], hoisted
+        for v0 in range(0, (e1 - e0) * C_PAD, BLOCK_N):
+            e = e0 + v0 // C_PAD
+            slot = v0 % C_PAD + n
+            lo = tl.load(kv_lo + e)
+            key_ok = (slot >= lo) & (slot < tl.load(kv_hi + e))
+            k_pos = tl.load(kv_pos + e) + slot - lo
+            base = (tl.load(kv_chunk + e).to(tl.int64) * chunk_size + v0 % C_PAD) * row_stride
+            kv_mask = _rows_mask(key_ok, col_ok, BLOCK_D == HEAD_DIM)
+            kt = tl.load(k_cache + base + head_off + tile_off, mask=kv_mask, other=0.0)
+            vt = tl.load(v_cache + base + head_off + tile_off, mask=kv_mask, other=0.0)
+            m_i, l_i, acc = _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc,
+                                         scale_log2, CAUSAL, PRECISION, DOT_FP32)
+    else:  # a tile spans BLOCK_N / C_PAD entries: per-key gathers
+        for v0 in range(0, (e1 - e0) * C_PAD, BLOCK_N):
+            e = e0 + (v0 + n) // C_PAD
+            slot = (v0 + n) % C_PAD
+            e_ok = e < e1
+            lo = tl.load(kv_lo + e, mask=e_ok, other=0)
+            hi = tl.load(kv_hi + e, mask=e_ok, other=0)  # -> key_ok False past e1
+            key_ok = (slot >= lo) & (slot < hi)
+            k_pos = tl.load(kv_pos + e, mask=e_ok, other=0) + slot - lo
+            chunk = tl.load(kv_chunk + e, mask=e_ok, other=0).to(tl.int64)
+            kv_off = ((chunk * chunk_size + slot) * row_stride + head_off)[:, None] + d[None, :]
+            kv_mask = _rows_mask(key_ok, col_ok, BLOCK_D == HEAD_DIM)
+            kt = tl.load(k_cache + kv_off, mask=kv_mask, other=0.0)
+            vt = tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)
+            m_i, l_i, acc = _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc,
+                                         scale_log2, CAUSAL, PRECISION, DOT_FP32)
+
+    seen = l_i > 0.0
+    o_tile = acc / tl.where(seen, l_i, 1.0)[:, None]
+    o_ptr = o + (out + row)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh
+    tl.store(o_ptr + d[None, :], o_tile.to(o.dtype.element_ty),
+             mask=_rows_mask(row_ok, col_ok, BLOCK_D == HEAD_DIM))
+    if WRITE_LSE:
+        ln_l = (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453  # x ln 2
+        lse_row = tl.where(seen, ln_l, float("-inf"))
+        tl.store(lse + (out + row).to(tl.int64) * stride_lt + head, lse_row, mask=row_ok)
+
+
+def launch_units(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_pos, scale: float,
+                 o, lse, cfg: KernelConfig, causal: bool = True) -> None:
+    """Run every unit (`units` [U, 5] int32, see worklist) into o [*, Hq, D] (any float dtype)
+    and, unless lse is None, lse [*, Hq] fp32 at the units' out rows. causal=False promises
+    that every row sees every key of its units (decode), which drops the position mask."""
+    t, hq, d = q.shape
+    n_chunks, chunk_size, hkv, d_cache = k_cache.shape
+    assert d_cache == d and hq % hkv == 0 and v_cache.shape == k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and units.is_contiguous()
+    assert q.stride(-1) == 1 and o.stride(-1) == 1 and o.shape[1:] == q.shape[1:]
+    assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype)
+    assert units.dtype == torch.int32 and units.dim() == 2 and units.shape[1] == 5
+    for idx in (q_pos, kv_chunk, kv_lo, kv_hi, kv_pos):
+        assert idx.dtype == torch.int32 and idx.device == q.device
+    assert lse is None or (lse.dtype == torch.float32 and lse.shape == o.shape[:2])
+    g = hq // hkv
+    assert cfg.block_m >= g, "a KV head's G query heads must fit one tile"
+    if units.shape[0] == 0:
+        return
+    _attend_kernel[(units.shape[0] * hkv,)](
+        q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_pos, o,
+        o if lse is None else lse, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+        0 if lse is None else lse.stride(0), scale * _LOG2E, chunk_size,
+        HKV=hkv, G=g, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, C_PAD=next_pow2(chunk_size), CAUSAL=causal,
+        WRITE_LSE=lse is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # the interpreter (CPU tensors) multiplies raw bf16 bits in tl.dot (triton 3.9): upcast
+        # there, exactly (the products are then of the same bf16 values, in fp32)
+        DOT_FP32=q.device.type == "cpu" and q.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def launch_worklist(q, k_cache, v_cache, q_pos, units: tuple, kv_chunk, kv_lo, kv_hi, kv_pos,
+                    scale: float, o, lse, configs: tuple, causal: tuple, side=None) -> None:
+    """Both unit classes' launches (narrow, wide). With a side stream (CUDA) the wide launch
+    runs on it, concurrently with the narrow one (in practice only their tails overlap); the
+    current stream waits for it before returning (graph capture records the fork and join)."""
+    idx = (kv_chunk, kv_lo, kv_hi, kv_pos)
+    (narrow, wide), (c_narrow, c_wide), (k_narrow, k_wide) = units, configs, causal
+    fork = side is not None and narrow is not None and wide is not None
+    if fork:
+        side.wait_stream(torch.cuda.current_stream(q.device))
+        with torch.cuda.stream(side):
+            launch_units(q, k_cache, v_cache, q_pos, wide, *idx, scale, o, lse, c_wide, k_wide)
+    elif wide is not None:
+        launch_units(q, k_cache, v_cache, q_pos, wide, *idx, scale, o, lse, c_wide, k_wide)
+    if narrow is not None:
+        launch_units(q, k_cache, v_cache, q_pos, narrow, *idx, scale, o, lse, c_narrow, k_narrow)
+    if fork:
+        torch.cuda.current_stream(q.device).wait_stream(side)
+
+
+def num_sms(device: torch.device) -> int:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: a small "GPU", so small test batches still get split
+
+
+def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 q_pos: torch.Tensor, item_q_start: torch.Tensor, item_q_len: torch.Tensor,
+                 item_out_start: torch.Tensor, item_kv_indptr: torch.Tensor,
+                 kv_chunk: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
+                 kv_pos: torch.Tensor, scale: float, num_out_rows: int, *,
+                 configs: tuple[KernelConfig, KernelConfig] | None = None,
+                 sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of `ops.reference.attend_items` (same arguments and result; partial rows no item
+    writes stay (0, -inf)). Builds the work list on the host, so it synchronizes: backends use
+    `kernels.TritonKernels`, which builds it once per plan instead."""
+    host = [x.cpu().numpy() for x in (item_q_start, item_q_len, item_out_start, item_kv_indptr,
+                                      q_pos, kv_pos, kv_lo, kv_hi)]
+    hq, d = q.shape[1:]
+    g = hq // k_cache.shape[2]
+    configs = configs or choose_configs(int(host[1].max(initial=0)) * g, d, q.element_size())
+    wl = build_worklist(*host[:4], num_out_rows, None, None, configs, group=g,
+                        num_kv_heads=k_cache.shape[2], chunk_size=k_cache.shape[1],
+                        itemsize=q.element_size(), num_sms=sms or num_sms(q.device),
+                        positions=host[4:])
+    dev = lambda a: None if a is None or len(a) == 0 else torch.from_numpy(  # noqa: E731
+        a.astype(np.int32)).to(q.device)
+    units = (dev(wl.narrow), dev(wl.wide))
+    o = torch.zeros((num_out_rows, hq, d), dtype=torch.float32, device=q.device)
+    lse = torch.full((num_out_rows, hq), float("-inf"), dtype=torch.float32, device=q.device)
+    idx = (kv_chunk, kv_lo, kv_hi, kv_pos)
+    if wl.direct:
+        launch_worklist(q, k_cache, v_cache, q_pos, units, *idx, scale, o, lse, configs, wl.causal)
+        return o, lse
+    o_s = torch.empty((wl.num_partials, hq, d), dtype=torch.float32, device=q.device)
+    lse_s = torch.empty((wl.num_partials, hq), dtype=torch.float32, device=q.device)
+    launch_worklist(q, k_cache, v_cache, q_pos, units, *idx, scale, o_s, lse_s, configs,
+                    wl.causal)
+    merge_rows(o_s, lse_s, dev(wl.merge_indptr), dev(wl.merge_parts), o, lse)
+    return o, lse

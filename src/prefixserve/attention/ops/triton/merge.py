@@ -1,0 +1,87 @@
+"""`merge_partials` on the GPU: the log-sum-exp merge of fp32 partials, one pass per row.
+
+Program (row r, block of BLOCK_H heads) walks the row's partials in CSR order with a running
+maximum (the online form of the reference's two-pass merge; equal up to rounding). Loading
+4 partials at a time as one [4, BLOCK_H, D] tile ran 1.3-4x slower on an H200 (the sum over
+partials crosses warps), so rows keep their partials few (see worklist's split floor):
+
+    m' = max(m, lse_i);  acc = acc * e^(m - m') + e^(lse_i - m') * o_i;  l = l * e^(m - m') + e^(lse_i - m')
+    o = acc / l,  lse = m + ln l;  -inf partials weigh 0; no finite partial: (0, -inf)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .worklist import next_pow2
+
+
+@triton.jit
+def _merge_kernel(o_parts, lse_parts, indptr, parts, o, lse,
+                  stride_pt, stride_ph, stride_lp, stride_ot, stride_oh, stride_lt, num_heads,
+                  HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                  WRITE_LSE: tl.constexpr):
+    r = tl.program_id(0)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    h_ok = hs < num_heads
+    tile_ok = h_ok[:, None] & (d < HEAD_DIM)[None, :]
+    start = tl.load(indptr + r)
+    end = tl.load(indptr + r + 1)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for i in range(start, end):
+        p = tl.load(parts + i).to(tl.int64)
+        lse_i = tl.load(lse_parts + p * stride_lp + hs, mask=h_ok, other=float("-inf"))
+        o_i = tl.load(o_parts + p * stride_pt + hs[:, None] * stride_ph + d[None, :],
+                      mask=tile_ok, other=0.0)
+        m_new = tl.maximum(m, lse_i)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(lse_i - m_safe)
+        acc = acc * alpha[:, None] + w[:, None] * o_i
+        l = l * alpha + w
+        m = m_new
+    seen = l > 0.0
+    out = acc / tl.where(seen, l, 1.0)[:, None]
+    tl.store(o + r.to(tl.int64) * stride_ot + hs[:, None] * stride_oh + d[None, :],
+             out.to(o.dtype.element_ty), mask=tile_ok)
+    if WRITE_LSE:
+        lse_r = tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf"))
+        tl.store(lse + r.to(tl.int64) * stride_lt + hs, lse_r, mask=h_ok)
+
+
+def merge_rows(o_parts: torch.Tensor, lse_parts: torch.Tensor, row_indptr: torch.Tensor,
+               row_parts: torch.Tensor, o: torch.Tensor, lse: torch.Tensor | None) -> None:
+    """Merge into o [T, Hq, D] (any float dtype) and, unless None, lse [T, Hq] fp32."""
+    num_rows = row_indptr.numel() - 1
+    hq, d = o_parts.shape[1:]
+    assert o_parts.dtype == lse_parts.dtype == torch.float32 and lse_parts.shape == o_parts.shape[:2]
+    assert o_parts.stride(-1) == 1 and o.stride(-1) == 1 and o.shape == (num_rows, hq, d)
+    assert row_indptr.dtype == row_parts.dtype == torch.int32
+    assert lse is None or (lse.dtype == torch.float32 and lse.shape == (num_rows, hq))
+    assert lse_parts.stride(-1) == 1 and (lse is None or lse.stride(-1) == 1)
+    if num_rows == 0:
+        return
+    block_d = next_pow2(d)
+    block_h = min(next_pow2(hq), max(1, 1024 // block_d))  # ~1K elements a program: many programs
+    grid = (num_rows, triton.cdiv(hq, block_h))
+    _merge_kernel[grid](
+        o_parts, lse_parts, row_indptr, row_parts, o, o if lse is None else lse,
+        o_parts.stride(0), o_parts.stride(1), lse_parts.stride(0), o.stride(0), o.stride(1),
+        0 if lse is None else lse.stride(0), hq, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d,
+        WRITE_LSE=lse is not None)
+
+
+def merge_partials(o_parts: torch.Tensor, lse_parts: torch.Tensor, row_indptr: torch.Tensor,
+                   row_parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of `ops.reference.merge_partials`: o_parts [P, Hq, D] fp32, lse_parts [P, Hq] fp32,
+    row_indptr [T+1] int32, row_parts [M] int32 -> o [T, Hq, D] fp32, lse [T, Hq] fp32."""
+    num_rows = row_indptr.numel() - 1
+    o = torch.empty((num_rows, *o_parts.shape[1:]), dtype=torch.float32, device=o_parts.device)
+    lse = torch.empty((num_rows, o_parts.shape[1]), dtype=torch.float32, device=o_parts.device)
+    merge_rows(o_parts, lse_parts, row_indptr, row_parts, o, lse)
+    return o, lse

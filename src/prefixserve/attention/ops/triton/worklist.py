@@ -1,0 +1,204 @@
+"""Work units of the attend kernel: the host half of the Triton path (numpy only, no triton).
+
+The kernel runs one program per (unit, KV head). A unit is a block of one item's query rows
+against a contiguous split of that item's kv entries:
+
+    item i:  q rows [q_start, q_start + q_len)              x entries [kv_indptr[i], kv_indptr[i+1])
+    unit:    q rows [q_start + b*R, + min(R, q_len - b*R))  x entries [e0, e1)  (one split)
+             R = block_m // G rows: R rows x the G query heads of one KV head are the M side of
+             the products, so a shared item's queries from many sequences share every K/V tile.
+
+Items come in two classes, each its own launch with its own tile shape: narrow items
+(q_len * G <= NARROW_ROWS: the decode tails, a stream of K/V tiles against a few rows) and
+wide ones (shared items: many sequences' rows, where the products dominate). The two launches
+go on two streams, but measured on an H200 they overlap only at the first one's tail (the
+hardware dispatches the second kernel's programs once the first has dispatched all of its own).
+
+Load balance (split-K, as FlashDecoding / FlashInfer's scheduler do): the cost of a program
+is its number of key tiles (block_n keys), and every item is cut into splits of at most
+`max_tiles`, chosen so that the grid holds about `programs_per_sm` programs per SM. A split
+costs its rows' fp32 partials (written, then read by the merge, one partial after another), so
+an item is never cut into splits shorter than 8x that cost (nor than 4 tiles): items with many
+rows (a big shared prefix) already fill the grid with row blocks and stay whole (splits down
+to 2 tiles and 2x were no faster on an H200, with deeper merges). Units are ordered longest
+first (LPT), so the long shared programs start early and the short private tails fill the gaps.
+
+Partial rows and the merge. Every split writes its own fp32 partial rows (o, lse); the final
+merge combines them with the schedule's own merge in one pass:
+
+    item row (i, k) -> partial row  p = out_start[i] + k        (ops.reference's numbering)
+    partial row p   -> scratch rows base[i] + j * q_len[i] + k   (split j of item i)
+    final row r     -> scratch rows of its partials             (merge_indptr / merge_parts)
+
+With a single split everywhere the scratch rows are the partial rows themselves (base = out_start,
+no copy of the schedule's merge is made), and with neither splits nor a schedule merge the
+kernel writes the output directly (`direct`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+_PARTIAL_BYTES = 4  # fp32 partials
+MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Launch shape of one attend launch (constexprs and launch options)."""
+
+    block_m: int  # M rows of a program: (query rows x G heads), padded
+    block_n: int  # keys per tile (virtual slots: each entry padded to next_pow2(C))
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = 4  # grid-size target of the split heuristic
+
+
+NARROW_ROWS = 16  # items with q_len * G <= this run in the narrow launch (decode tails)
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int) -> tuple[KernelConfig, KernelConfig]:
+    """(narrow, wide) launch shapes, from sweeps on an H200 (benchmarks/kernels-notes.md).
+
+    narrow: one query row x G heads (decode tails) in a 16-row tile; the step is a stream of
+    K/V tiles, so the leanest program wins: 2 warps, 2 stages (3-5% faster than 4 warps).
+    N: 64 keys x D 128 (or 128 x 64) is a 16 KB K tile in 16-bit types; fp32 (tests) halves it.
+    wide: shared items, many rows x G heads: up to 64 rows, one wgmma row block on Hopper
+    (128 rows x 8 warps: 15-20% slower; 64 x 128 keys: spills), half as many keys per tile
+    and 2 programs per SM as the grid target (fewer splits): 3-8% faster than 64 keys at 4.
+    """
+    block_n = 64 if head_dim > 64 else 128
+    if itemsize >= 4:
+        block_n //= 2
+    wide_m = min(64, max(32, next_pow2(max_wide_rows)))
+    return (KernelConfig(NARROW_ROWS, block_n, num_warps=2),
+            KernelConfig(wide_m, block_n // 2, programs_per_sm=2))
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkList:
+    narrow: np.ndarray  # [Un, 5] int64: q_start, q_len, e0, e1, out_row (longest first)
+    wide: np.ndarray  # [Uw, 5] the same, items with more than NARROW_ROWS rows x G
+    num_partials: int  # S: rows the kernels write (scratch rows, or output rows if direct)
+    merge_indptr: np.ndarray | None  # [num_rows + 1]: final row -> merge_parts range
+    merge_parts: np.ndarray | None  # [S']: scratch rows in row order; None: no merge
+    direct: bool  # no merge: units write final rows (out_row indexes the output)
+    causal: tuple[bool, bool]  # (narrow, wide): some row precedes one of its unit's keys
+
+
+def _csr(counts: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+def _splits(q_len, num_entries, cfg: KernelConfig, group: int, num_kv_heads: int,
+            chunk_pad: int, itemsize: int, num_sms: int) -> tuple[np.ndarray, np.ndarray]:
+    """Entries per split and number of splits of every item (see the module docstring)."""
+    rows = max(1, cfg.block_m // group)
+    blocks = -(-q_len // rows)
+    tiles = -(-num_entries * chunk_pad // cfg.block_n)
+    total = int((blocks * tiles).sum()) * num_kv_heads
+    max_tiles = max(4, -(-total // (cfg.programs_per_sm * num_sms)))
+    # one split's partials (its used rows x G heads x D fp32, written + read) in K/V tiles
+    overhead = np.minimum(q_len, rows) * group * 2 * _PARTIAL_BYTES / (2 * cfg.block_n * itemsize)
+    cap = np.maximum(max_tiles, np.ceil(8 * overhead)).astype(np.int64)
+    num_splits = -(-tiles // cap)
+    tiles_per_split = -(-tiles // np.maximum(num_splits, 1))
+    per_entry = max(1, cfg.block_n // chunk_pad)  # entries per tile when a tile spans chunks
+    entries = np.maximum(1, -(-tiles_per_split * cfg.block_n // chunk_pad))
+    entries = -(-entries // per_entry) * per_entry
+    return entries, -(-num_entries // entries)
+
+
+def build_worklist(q_start, q_len, out_start, kv_indptr, num_rows: int, row_indptr, row_parts,
+                   configs: tuple[KernelConfig, KernelConfig], *, group: int, num_kv_heads: int,
+                   chunk_size: int, itemsize: int, num_sms: int, positions=None) -> WorkList:
+    """Units and merge CSR of a plan (arrays as in `plan.index_arrays`).
+
+    configs: (narrow, wide); an item is wide if q_len * G > NARROW_ROWS. Each class is split
+    and balanced for its own launch. row_indptr/row_parts: the schedule's merge (final row ->
+    partial rows), or None when every partial row is a final row (final rows are then
+    out_start[i] + k, num_rows of them). positions: (q_pos, kv_pos, kv_lo, kv_hi), to find
+    the launches that need no position mask (decode); None: both masked.
+    """
+    q_start, q_len, out_start, kv_indptr = (np.asarray(a, dtype=np.int64) for a in
+                                            (q_start, q_len, out_start, kv_indptr))
+    num_entries = kv_indptr[1:] - kv_indptr[:-1]
+    wide = q_len * group > NARROW_ROWS
+    entries = np.zeros_like(q_len)
+    num_splits = np.zeros_like(q_len)
+    for cls, cfg in ((~wide, configs[0]), (wide, configs[1])):
+        entries[cls], num_splits[cls] = _splits(q_len[cls], num_entries[cls], cfg, group,
+                                                num_kv_heads, next_pow2(chunk_size), itemsize,
+                                                num_sms)
+    split_any = bool((num_splits > 1).any())
+    base = _csr(num_splits * q_len)[:-1] if split_any else out_start
+    units = [_units(q_start, q_len, kv_indptr, entries, num_splits, base,
+                    max(1, cfg.block_m // group), cls) for cls, cfg in ((~wide, configs[0]),
+                                                                       (wide, configs[1]))]
+    causal = tuple(positions is None or needs_causal(u, *positions) for u in units)
+    if not split_any and row_indptr is None:
+        return WorkList(*units, num_rows, None, None, direct=True, causal=causal)
+    if not split_any:
+        return WorkList(*units, int(q_len.sum()), np.asarray(row_indptr, np.int64),
+                        np.asarray(row_parts, np.int64), direct=False, causal=causal)
+    return WorkList(*units, int((num_splits * q_len).sum()),
+                    *_merge_csr(q_len, out_start, num_splits, base, num_rows, row_indptr,
+                                row_parts), direct=False, causal=causal)
+
+
+def _range_reduce(ufunc, values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """ufunc over values[starts[i]:ends[i]] for every i (non-empty ranges, any order)."""
+    bounds = np.stack([starts, ends], 1).reshape(-1)
+    return ufunc.reduceat(np.append(values, values[:1]), bounds)[::2]
+
+
+def needs_causal(units: np.ndarray, q_pos, kv_pos, kv_lo, kv_hi) -> bool:
+    """Whether some unit's row precedes one of its keys (prefill); in decode every key of a
+    row's units precedes it and the kernel skips the position mask."""
+    if len(units) == 0:
+        return False
+    kv_pos, kv_lo, kv_hi = (np.asarray(x, np.int64) for x in (kv_pos, kv_lo, kv_hi))
+    key_max = _range_reduce(np.maximum, kv_pos + kv_hi - kv_lo - 1, units[:, 2], units[:, 3])
+    row_min = _range_reduce(np.minimum, np.asarray(q_pos, np.int64), units[:, 0],
+                            units[:, 0] + units[:, 1])
+    return bool((key_max > row_min).any())
+
+
+def _units(q_start, q_len, kv_indptr, entries, num_splits, base, rows, select) -> np.ndarray:
+    """[U, 5] units of the selected items, longest first (ties: item, split, row block)."""
+    blocks = np.where(select, -(-q_len // rows), 0)
+    per_item = num_splits * blocks
+    item = np.repeat(np.arange(len(q_len)), per_item)
+    local = np.arange(per_item.sum()) - np.repeat(_csr(per_item)[:-1], per_item)
+    split, block = local // blocks[item], local % blocks[item]
+    e0 = kv_indptr[item] + split * entries[item]
+    e1 = np.minimum(e0 + entries[item], kv_indptr[item + 1])
+    r0 = block * rows
+    units = np.stack([q_start[item] + r0, np.minimum(rows, q_len[item] - r0), e0, e1,
+                      base[item] + split * q_len[item] + r0], axis=1).astype(np.int64)
+    return units[np.argsort(-(units[:, 3] - units[:, 2]), kind="stable")]
+
+
+def _merge_csr(q_len, out_start, num_splits, base, num_rows, row_indptr, row_parts):
+    """Final row -> scratch rows, composing the splits with the schedule's merge."""
+    scratch_item = np.repeat(np.arange(len(q_len)), num_splits * q_len)
+    local = np.arange(scratch_item.size) - base[scratch_item]
+    partial = out_start[scratch_item] + local % q_len[scratch_item]  # [S]: its partial row
+    if row_indptr is None:
+        final = partial
+    else:
+        row_indptr = np.asarray(row_indptr, np.int64)
+        row_of_partial = np.empty(int(row_indptr[-1]), dtype=np.int64)
+        row_of_partial[np.asarray(row_parts, np.int64)] = np.repeat(
+            np.arange(num_rows), np.diff(row_indptr))
+        final = row_of_partial[partial]
+    return (_csr(np.bincount(final, minlength=num_rows)),
+            np.argsort(final, kind="stable").astype(np.int64))

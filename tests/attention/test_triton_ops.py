@@ -1,0 +1,238 @@
+"""The Triton kernels against their reference twins (and the backends' Triton path against dense
+float64 attention), on random prefix trees laid out in chunks.
+
+Runs in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set here before triton is
+first imported); PREFIXSERVE_TRITON_TEST_DEVICE=cuda runs the same tests compiled on a GPU.
+Skipped only where triton is not installed.
+
+Tolerances, relative to max|v| (u: unit roundoff of the input type). fp32 runs the products
+in IEEE fp32: FP32_TOL as in test_reference_ops. 16-bit types multiply P rounded to the input
+type (as FlashAttention does): |o - o_ref| <= u * sum_j p_j |v_j| <= u * max|v|, taken twice
+for headroom (fp16 u = 2^-11, bf16 u = 2^-8). lse comes from fp32 scores of exact products:
+2e-4 * (1 + |lse|) bounds its rounding with headroom.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+DEVICE = torch.device(os.environ.get("PREFIXSERVE_TRITON_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' modules import triton
+pytest.importorskip("triton")
+
+from attn_trees import dense_attention, make_case  # noqa: E402
+
+from prefixserve.attention.backends.chunk import ChunkBackend  # noqa: E402
+from prefixserve.attention.backends.hydragen import HydragenBackend  # noqa: E402
+from prefixserve.attention.backends.paged import PagedBackend  # noqa: E402
+from prefixserve.attention.backends.relay import RelayBackend  # noqa: E402
+from prefixserve.attention.ops import reference  # noqa: E402
+from prefixserve.attention.ops import triton as tops  # noqa: E402
+from prefixserve.attention.ops.triton.worklist import KernelConfig, build_worklist  # noqa: E402
+from prefixserve.attention.plan import index_arrays  # noqa: E402
+from prefixserve.attention.schedule import SCHEDULES  # noqa: E402
+
+FP32_TOL = 1e-5
+U = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BACKENDS = {"paged": PagedBackend, "relay": RelayBackend, "hydragen": HydragenBackend,
+            "chunk": ChunkBackend}
+
+
+def o_tol(dtype: torch.dtype) -> float:
+    return FP32_TOL + 2 * U[dtype]
+
+
+def widen(case, head_dim: int, seed: int):
+    """The case's tree and batch with fresh K/V/q of `head_dim` (make_case draws d in {8, 16}).
+    Unused slots stay NaN, and so do the new tokens' slots until store_kv writes them (two
+    sequences may compute the same new token: the same slot gets the same K/V)."""
+    g = torch.Generator().manual_seed(seed)
+    dt, (n, c, hkv, _) = case.shape.dtype, case.k_cache.shape
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dt)  # noqa: E731
+    slots = case.batch.slots
+    unused = case.k_cache[..., :1].isnan().expand(n, c, hkv, head_dim).reshape(-1, hkv, head_dim)
+    unused = unused.clone().index_fill_(0, slots, False)  # make_case NaNs the new slots too
+    full_k, full_v = (rnd(n * c, hkv, head_dim).masked_fill(unused, float("nan")) for _ in "kv")
+    k, v = full_k[slots], full_v[slots]
+    k_cache, v_cache = (x.clone().index_fill_(0, slots, float("nan")).view(n, c, hkv, head_dim)
+                        for x in (full_k, full_v))
+    seq_kv = []
+    for s in case.batch.seqs:
+        keys = torch.cat([seg.slots(c) for seg in s.segments])
+        seq_kv.append((full_k[keys], full_v[keys]))
+    shape = dataclasses.replace(case.shape, head_dim=head_dim, scale=case.shape.scale
+                                * (case.k.shape[-1] / head_dim) ** 0.5, device=DEVICE)
+    return dataclasses.replace(case, shape=shape, q=rnd(len(case.q), case.q.shape[1], head_dim),
+                               k=k, v=v, k_cache=k_cache, v_cache=v_cache, seq_kv=seq_kv)
+
+
+def tree_case(seed: int, dtype, head_dim: int, group: int, chunk: int, prefill: bool):
+    rng = random.Random(seed)
+    case = make_case(rng.randint, torch.Generator().manual_seed(seed), chunk, group, dtype,
+                     prefill, max_nodes=8)
+    return widen(case, head_dim, seed)
+
+
+def to_dev(*xs):
+    return [x.to(DEVICE) for x in xs]
+
+
+# (dtype, D, G) all 18 combinations; chunk size, decode/prefill and the schedule rotate
+ATTEND_CASES = [(i, dt, d, g, (16, 64)[i % 2], bool(i // 2 % 2), list(SCHEDULES)[i % 4])
+                for i, (dt, d, g) in enumerate(itertools.product(DTYPES, (64, 128), (1, 3, 8)))]
+
+
+@pytest.mark.parametrize("seed,dtype,head_dim,group,chunk,prefill,sched", ATTEND_CASES)
+def test_attend_items_matches_reference(seed, dtype, head_dim, group, chunk, prefill, sched):
+    case = tree_case(seed, dtype, head_dim, group, chunk, prefill)
+    reference.store_kv(case.k_cache, case.v_cache, case.k, case.v, case.batch.slots)
+    schedule = SCHEDULES[sched](case.batch)
+    a = index_arrays(schedule, case.batch)
+    idx = [torch.from_numpy(a[f]).int() for f in ("q_pos", "item_q_start", "item_q_len",
+           "item_out_start", "item_kv_indptr", "kv_chunk", "kv_lo", "kv_hi", "kv_pos")]
+    rows = sum(it.q_len for it in schedule.items) + 2  # two partial rows no item writes
+    args = (case.q, case.k_cache, case.v_cache, *idx)
+    o_ref, lse_ref = reference.attend_items(*args, case.shape.scale, rows)
+    o, lse = tops.attend_items(*to_dev(*args), case.shape.scale, rows, sms=3)
+    o, lse = o.cpu(), lse.cpu()
+    assert o.dtype == lse.dtype == torch.float32 and o.shape == o_ref.shape
+    vmax = case.v_cache.nan_to_num(0).abs().max().float()
+    assert (o - o_ref).abs().max() <= o_tol(dtype) * vmax
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+    fin = torch.isfinite(lse_ref)
+    assert ((lse - lse_ref)[fin].abs() <= 2e-4 * (1 + lse_ref[fin].abs())).all()
+
+
+@pytest.mark.parametrize("cast", [False, True], ids=["same-dtype", "from-fp32"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_writes_exactly_the_slots(dtype, cast):
+    g = torch.Generator().manual_seed(1)
+    caches = [torch.randn(5, 16, 3, 64, generator=g).to(dtype) for _ in "kv"]
+    kv = torch.randn(7, 2, 3, 64, generator=g).to(torch.float32 if cast else dtype)
+    k, v = kv[:, 0], kv[:, 1]  # strided: every other row
+    slots = torch.randperm(80, generator=g)[:7]
+    expect = [c.clone() for c in caches]
+    reference.store_kv(*expect, k, v, slots)
+    got = to_dev(*caches)
+    tops.store_kv(*got, *to_dev(k, v, slots))
+    # the interpreter truncates fp32 -> bf16 (triton 3.9); compiled Triton rounds to nearest
+    # even, as torch does: one bf16 ulp of slack there only
+    ulp = 2.0**-7 if cast and dtype == torch.bfloat16 and DEVICE.type == "cpu" else 0.0
+    for x, y in zip(got, expect):
+        assert ((x.cpu().float() - y.float()).abs() <= ulp * y.float().abs()).all()
+
+
+def test_merge_partials_matches_reference():
+    g = torch.Generator().manual_seed(2)
+    o_parts = torch.randn(40, 6, 64, generator=g)
+    lse_parts = torch.randn(40, 6, generator=g) * 5
+    lse_parts[torch.rand(40, 6, generator=g) < 0.3] = float("-inf")  # empty partials
+    counts = torch.tensor([3, 0, 1, 7, 2, 4, 0, 9, 5, 9])  # rows 1 and 6 have no partial
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).int()
+    parts = torch.randperm(40, generator=g).int()
+    o_ref, lse_ref = reference.merge_partials(o_parts, lse_parts, indptr, parts)
+    o, lse = (x.cpu() for x in tops.merge_partials(*to_dev(o_parts, lse_parts, indptr, parts)))
+    assert (o - o_ref).abs().max() <= 1e-5 * o_parts.abs().max()
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+    fin = torch.isfinite(lse_ref)
+    assert torch.allclose(lse[fin], lse_ref[fin], rtol=0, atol=1e-5)
+    assert torch.equal(o[[1, 6]], torch.zeros(2, 6, 64))
+
+
+BACKEND_CASES = [(100 + i, dt, d, g, c, pre) for i, (dt, d, g, c, pre) in enumerate(
+    [(torch.float32, 64, 3, 16, False), (torch.float16, 128, 8, 64, False),
+     (torch.bfloat16, 64, 1, 16, True), (torch.float16, 64, 3, 64, True)])]
+
+
+@pytest.mark.parametrize("seed,dtype,head_dim,group,chunk,prefill", BACKEND_CASES)
+def test_backends_on_triton_match_dense(seed, dtype, head_dim, group, chunk, prefill):
+    """plan/run through `TritonKernels` (split-K units, the composed merge, direct output)."""
+    case = tree_case(seed, dtype, head_dim, group, chunk, prefill)
+    ref = dense_attention(case)
+    vmax = max(v.double().abs().max() for _, v in case.seq_kv)
+    for name, cls in BACKENDS.items():
+        backend = cls(case.shape, kernels=tops.TritonKernels(case.shape, sms=3))  # splits
+        backend.plan(case.batch)
+        k_cache, v_cache = to_dev(case.k_cache.clone(), case.v_cache.clone())
+        o = backend.run(*to_dev(case.q, case.k, case.v), k_cache, v_cache).cpu()
+        assert o.dtype == dtype and o.shape == case.q.shape, name
+        bound = U[dtype] * ref.abs() + o_tol(dtype) * vmax  # + rounding of o to dtype
+        assert ((o.double() - ref).abs() <= bound).all(), name
+        flat = k_cache.view(-1, *k_cache.shape[2:]).cpu()
+        assert torch.equal(flat[case.batch.slots], case.k.to(dtype)), name
+
+
+def _random_items(rng: np.random.Generator, merge: bool):
+    n = int(rng.integers(1, 12))
+    q_len = rng.integers(1, 40, n)
+    entries = rng.integers(1, 30, n)
+    q_start = rng.integers(0, 50, n)  # items may share rows (as shared items do)
+    kv_indptr = np.concatenate([[0], np.cumsum(entries)])
+    out_start = np.concatenate([[0], np.cumsum(q_len)[:-1]])
+    if not merge:
+        return q_start, q_len, out_start, kv_indptr, int(q_len.sum()), None, None
+    num_rows = int(q_len.sum()) // 2 + 1  # partial rows -> final rows, at random
+    final = rng.integers(0, num_rows, int(q_len.sum()))
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(final, minlength=num_rows))])
+    return q_start, q_len, out_start, kv_indptr, num_rows, indptr, np.argsort(final, kind="stable")
+
+
+@pytest.mark.parametrize("merge", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_worklist_covers_every_row_and_entry_once(seed, merge):
+    rng = np.random.default_rng(seed)
+    q_start, q_len, out_start, kv_indptr, num_rows, indptr, parts = _random_items(rng, merge)
+    cfgs = tuple(KernelConfig(m, int(rng.choice([32, 64]))) for m in (16, int(rng.choice([32, 64]))))
+    wl = build_worklist(q_start, q_len, out_start, kv_indptr, num_rows, indptr, parts, cfgs,
+                        group=int(rng.integers(1, 5)), num_kv_heads=2,
+                        chunk_size=int(rng.choice([16, 48, 64])), itemsize=2,
+                        num_sms=int(rng.integers(1, 8)))
+    # every (item row, entry) pair exactly once; a unit's rows/entries within one item
+    seen = {}
+    for qs, n, e0, e1, out in np.concatenate([wl.narrow, wl.wide]).tolist():
+        item = int(np.searchsorted(kv_indptr, e0, side="right")) - 1
+        assert e1 <= kv_indptr[item + 1] and e0 < e1 and 0 < n
+        k0 = qs - q_start[item]
+        assert 0 <= k0 and k0 + n <= q_len[item]
+        for k in range(k0, k0 + n):
+            for e in range(e0, e1):
+                assert (item, k, e) not in seen
+                seen[item, k, e] = out + k - k0  # the row this pair's partial is written to
+    assert len(seen) == int((q_len * np.diff(kv_indptr)).sum())
+    # each final row merges exactly the written rows of its partials
+    partial_of_written = {w: out_start[i] + k for (i, k, _), w in seen.items()}
+    assert sorted(partial_of_written) == list(range(wl.num_partials))
+    final_of_partial = (np.arange(num_rows) if indptr is None
+                        else np.repeat(np.arange(num_rows), np.diff(indptr))[np.argsort(parts)])
+    if wl.direct:
+        assert all(w == p for w, p in partial_of_written.items())
+        return
+    m_indptr, m_parts = wl.merge_indptr, wl.merge_parts
+    for r in range(num_rows):
+        got = sorted(m_parts[m_indptr[r]:m_indptr[r + 1]].tolist())
+        want = sorted(w for w, p in partial_of_written.items() if final_of_partial[p] == r)
+        assert got == want
+
+
+def test_imports_and_runs_on_cpu_without_triton():
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import prefixserve.attention.ops.triton as t, prefixserve.attention.ops.triton.worklist\n"
+            "from prefixserve.attention import create_backend, backend_names\n"
+            "from prefixserve.attention.base import AttentionShape\n"
+            "import torch\n"
+            "s = AttentionShape(4, 2, 8, 0.3, torch.float32, torch.device('cpu'))\n"
+            "[create_backend(n, s) for n in backend_names()]\n"
+            "import prefixserve.bench.kernels\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
