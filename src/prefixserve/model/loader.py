@@ -64,7 +64,8 @@ def resolve(cfg: EngineConfig) -> ModelSource:
     if not path.exists():
         raise ValueError(f"model {cfg.model!r} not found: pass a GGUF file, an HF folder with "
                          "config.json and *.safetensors, or a config.json with load_format='dummy'")
-    name = "SmolLM2-135M-Instruct" if cfg.model is None else path.name
+    name = ("SmolLM2-135M-Instruct" if cfg.model is None
+            else path.stem if path.suffix in (".json", ".gguf") else path.name)
     if cfg.load_format == "dummy":
         cfg_file = path / "config.json" if path.is_dir() else path
         return ModelSource(name, json.loads(cfg_file.read_text()), path if path.is_dir() else None, True)

@@ -1,0 +1,209 @@
+"""What the end-to-end benchmarks share: the configs compared, the hardware, the result files.
+
+Configs are the seeds' systems, each one engine setting (RelayAttention's names in brackets):
+
+    paged-nocache  paged backend, prefix caching off   every request computes and stores its own prompt ("vLLM")
+    paged          paged backend, prefix caching on    shared prefixes stored and computed once, read per sequence ("vLLM-PS")
+    relay | hydragen | chunk | auto                    that backend, caching on: shared prefixes also read once per step
+    no-attention   attention skipped, caching on       Hydragen's throughput ceiling (outputs meaningless)
+
+A result file is `{bench}-{workload}-{model}-{hardware}.json` (+ `.png`) under
+benchmarks/results/, e.g. `throughput-sharegpt-SmolLM2-135M-Instruct-cpu.json`. Its top level
+names the hardware, model, workload and the command that reproduces it; `results` holds one
+entry per (config, sweep point).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import re
+import shlex
+from pathlib import Path
+from typing import Any, Sequence
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "paged-nocache": {"attention_backend": "paged", "enable_prefix_caching": False},
+    "paged": {"attention_backend": "paged", "enable_prefix_caching": True},
+    "relay": {"attention_backend": "relay", "enable_prefix_caching": True},
+    "hydragen": {"attention_backend": "hydragen", "enable_prefix_caching": True},
+    "chunk": {"attention_backend": "chunk", "enable_prefix_caching": True},
+    "auto": {"attention_backend": "auto", "enable_prefix_caching": True},
+    "no-attention": {"attention_backend": "no-attention", "enable_prefix_caching": True},
+}
+BASELINE, CEILING = "paged-nocache", "no-attention"
+INEXACT = frozenset({CEILING})  # configs whose outputs are not the model's
+DEFAULT_OUT_DIR = Path("benchmarks") / "results"
+
+
+# ---- argument parsing ------------------------------------------------------------------------
+def config_list(text: str) -> list[str]:
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if c not in CONFIGS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown config(s) {bad}; choose from {', '.join(CONFIGS)}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"a config is listed twice: {text}")
+    return names
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def float_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive numbers (inf allowed), got {text!r}")
+    return values
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("run and output")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU: torch intra-op threads (default: torch's). On a shared machine 1 is steadier: "
+                        "spinning threads that lose their core slow every op down several-fold")
+    g.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="where the JSON and PNG go")
+    g.add_argument("--tag", default="", help="appended to the file names (e.g. a variant of the workload)")
+    g.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def command_line(parser: argparse.ArgumentParser, args: argparse.Namespace, prog: str) -> str:
+    """The shell command that reproduces `args`: every option that differs from its default."""
+    words = prog.split()
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help",):
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
+        if isinstance(action, argparse.BooleanOptionalAction):
+            words.append(flag if value else "--no-" + flag[2:])
+        elif action.nargs == 0:
+            words.append(flag)
+        else:
+            words += [flag, ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)]
+    return shlex.join(words)
+
+
+# ---- hardware and names ----------------------------------------------------------------------
+def set_threads(threads: int | None) -> None:
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
+        import torch
+        torch.set_num_threads(threads)
+
+
+def hardware() -> dict[str, Any]:
+    """The device the engine runs on: GPU name and count, or CPU model and cores."""
+    import torch
+    if torch.cuda.is_available():
+        return {"device": "cuda", "name": torch.cuda.get_device_name(0), "count": torch.cuda.device_count()}
+    return {"device": "cpu", "name": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware_slug(hw: dict[str, Any]) -> str:
+    """`cpu`, or the GPU's name without its vendor: `h100-80gb-hbm3`."""
+    if hw["device"] == "cpu":
+        return "cpu"
+    name = re.sub(r"^nvidia\s+", "", hw["name"].lower())
+    slug = re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+    return slug + (f"-x{hw['count']}" if hw.get("count", 1) > 1 else "")
+
+
+def model_name(engine_kwargs: dict[str, Any]) -> str:
+    """The name results are filed under (without loading the model)."""
+    from ..config import EngineConfig
+    from ..model import loader
+    name = loader.resolve(EngineConfig.from_kwargs(**engine_kwargs)).name
+    model = engine_kwargs.get("model")
+    if name.endswith(".json") and model:  # a lone config.json: name it by its folder
+        name = Path(model).resolve().parent.name
+    return re.sub(r"\.(gguf|json)$", "", name)
+
+
+def result_path(out_dir: Path, bench: str, workload: str, model: str, hw: dict, tag: str = "") -> Path:
+    parts = [bench, workload, model, hardware_slug(hw)] + ([tag] if tag else [])
+    return Path(out_dir) / ("-".join(p.replace("/", "_") for p in parts) + ".json")
+
+
+def write_json(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite(doc), indent=2, default=_jsonable, allow_nan=False) + "\n")
+
+
+def _finite(value):
+    """JSON has no infinity: an infinite request rate is written as the string "inf"."""
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _jsonable(value):
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {value!r}")
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None where either is missing, zero or infinite."""
+    if not a or not b or math.isinf(a) or math.isinf(b):
+        return None
+    return round(a / b, 4)
+
+
+def free_device_memory() -> None:
+    """After `del llm`: collect it now, and give CUDA's cached blocks back."""
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---- the printed table -------------------------------------------------------------------------
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> None:
+    """columns: (heading, key, format spec); a missing or None value prints as '-'."""
+    cells = [[h for h, _, _ in columns]]
+    for row in rows:
+        cells.append([_cell(row.get(k), spec) for _, k, spec in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    for r in cells:
+        print("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))))
+
+
+def _cell(value, spec: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    return format(value, spec) if spec else str(value)

@@ -1,0 +1,229 @@
+"""`prefixserve bench serve`: interactive serving, RelayAttention Fig. 8 / vLLM's serving benchmark.
+
+For each config a `prefixserve serve` process is started with that config's engine flags (or
+`--base-url` names a running server), then for each `--request-rate` the same ShareGPT
+requests (system prompt + real question, output length from the real answer, capped) arrive
+as a Poisson process and stream their answers (see loadgen.py). Reported per (config, rate):
+throughput, normalized latency (s per output token), TTFT and inter-token latency
+percentiles; per config, the sustainable request rate: the highest swept rate whose mean
+normalized latency is within `--latency-slo` with no request failed.
+
+Between rates the server keeps running; like a live chatbot service it has the system prompt
+cached (a warm-up request before each rate puts it there, as RelayAttention pins it at start).
+Each rate's requests carry a different session line after the system prompt, so no rate finds
+another rate's questions in the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+from . import results as R
+from . import workloads as W
+from .loadgen import poisson_run, summarize
+
+log = logging.getLogger(__name__)
+
+
+def register(sub) -> None:
+    from ..cli import add_engine_args
+    p = sub.add_parser("serve", help="online serving: Poisson arrivals over request rates, one server per config",
+                       description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", type=R.config_list, default=["paged-nocache", "paged", "relay", "auto"],
+                   help=f"comma-separated, one server each (choices: {','.join(R.CONFIGS)})")
+    p.add_argument("--base-url", default=None,
+                   help="benchmark this running server instead (e.g. http://127.0.0.1:8000); --configs then only labels it")
+    p.add_argument("--api-key", default=os.environ.get("PREFIXSERVE_API_KEY"), help="bearer token for the server")
+    p.add_argument("--request-rate", type=R.float_list, default=[1.0, 2.0, 4.0, 8.0],
+                   help="requests per second, list (inf = all at once)")
+    p.add_argument("--latency-slo", type=float, default=0.5, help="seconds per output token (RelayAttention: 0.5)")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests per rate")
+    p.add_argument("--system-prompt-len", type=int, default=1024)
+    p.add_argument("--max-output-len", type=int, default=256)
+    p.add_argument("--max-prompt-len", type=int, default=1024)
+    p.add_argument("--dataset-seed", type=int, default=0, help="which conversations; arrival times")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a server may take to start")
+    R.add_output_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=run, _parser=p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cli import engine_kwargs
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    if args.base_url and len(args.configs) != 1:
+        raise ValueError("with --base-url, name the running server's config with one --configs value")
+    engine_kw = {k: v for k, v in engine_kwargs(args).items() if k not in ("attention_backend", "enable_prefix_caching")}
+    R.set_threads(args.threads)  # recorded in `hardware`; the servers get it as OMP_NUM_THREADS
+    hw, model = R.hardware(), R.model_name(engine_kw)
+    src = W.token_source(engine_kw)
+    wl = W.sharegpt(src, args.system_prompt_len, args.num_prompts, args.max_output_len, args.max_prompt_len,
+                    args.dataset_seed)
+    entries = []
+    for config in args.configs:
+        with _server(args, config, engine_kw) as url:
+            entries += _sweep(args, url, config, src, wl)
+    doc = _document(args, hw, model, engine_kw, entries)
+    path = R.result_path(args.out_dir, "serve", "sharegpt", model, hw, args.tag)
+    R.write_json(path, doc)
+    print_summary(doc)
+    if not args.no_plot:
+        from .plots import plot_serving
+        plot_serving(doc, path.with_suffix(".png"))
+    print(f"wrote {path}" + ("" if args.no_plot else f" and {path.with_suffix('.png').name}"))
+    return 0
+
+
+def _sweep(args, url: str, config: str, src: W.TokenSource, wl: W.Workload) -> list[dict]:
+    import httpx
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    sys_len, entries = wl.shared_prefix_len, []
+    system = wl.prompts[0][:sys_len]
+    max_tokens = [p.max_tokens for p in wl.params]
+    for i, rate in enumerate(args.request_rate):
+        session = src.encode(f"\nSession {i + 1}.")
+        prompts = [p[:sys_len] + session + p[sys_len:] for p in wl.prompts]
+        warm = system + src.encode("\nSession 0. Hello")
+        asyncio.run(poisson_run(url, model, [warm], [2], math.inf, 0, headers, args.request_timeout, False))
+        records, duration = asyncio.run(poisson_run(
+            url, model, prompts, max_tokens, rate, args.dataset_seed + i, headers, args.request_timeout,
+            not args.no_progress, f"{config} @ {rate:g} req/s"))
+        entries.append({"config": config, "request_rate": rate, **summarize(records, duration)})
+        log.info("%s @ %g req/s: %s", config, rate, {k: entries[-1][k] for k in
+                 ("completed", "failed", "output_tokens_per_s", "normalized_latency_mean_s")})
+    return entries
+
+
+# ---- the server process ----------------------------------------------------------------------
+@contextlib.contextmanager
+def _server(args, config: str, engine_kw: dict) -> Iterator[str]:
+    if args.base_url:
+        yield args.base_url.rstrip("/")
+        return
+    port = _free_port()
+    cmd = [sys.executable, "-m", "prefixserve.cli", "--log-level", "WARNING", "serve", "--port", str(port),
+           "--max-concurrent-requests", str(max(256, args.num_prompts + 1)),
+           *engine_flags({**engine_kw, **R.CONFIGS[config]})]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    if args.api_key:
+        env["PREFIXSERVE_API_KEY"] = args.api_key
+    with tempfile.NamedTemporaryFile("w+b", prefix=f"prefixserve-{config}-", suffix=".log", delete=False) as logf:
+        log_path = Path(logf.name)
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url, args.startup_timeout, log_path)
+        yield url
+    finally:
+        _stop(proc)
+        if proc.returncode not in (0, -signal.SIGTERM):
+            log.warning("the %s server exited with %s; its log: %s", config, proc.returncode, log_path)
+        else:
+            log_path.unlink(missing_ok=True)
+
+
+def engine_flags(kwargs: dict) -> list[str]:
+    """Engine keyword arguments -> `prefixserve serve` flags (add_engine_args' spelling)."""
+    flags = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: Path) -> None:
+    import httpx
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{_tail(log_path)}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"the server was not healthy within {timeout:g} s:\n{_tail(log_path)}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _tail(path: Path, n: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+
+
+# ---- results ---------------------------------------------------------------------------------
+def sustainable_rates(entries: list[dict], slo: float) -> dict[str, float | None]:
+    """Per config: the highest swept rate with no failure and mean normalized latency <= slo."""
+    out: dict[str, float | None] = {}
+    for e in entries:
+        out.setdefault(e["config"], None)
+        lat = e["normalized_latency_mean_s"]
+        if not e["failed"] and lat is not None and lat <= slo:
+            out[e["config"]] = max(e["request_rate"], out[e["config"]] or 0.0)
+    return out
+
+
+def _document(args, hw: dict, model: str, engine_kw: dict, entries: list[dict]) -> dict:
+    rates = sustainable_rates(entries, args.latency_slo)
+    base = rates.get(R.BASELINE)
+    for e in entries:
+        e["sustainable_request_rate"] = rates[e["config"]]
+    return {
+        "benchmark": "serve", "hardware": hw, "model": model, "workload": "sharegpt",
+        "system_prompt_len": args.system_prompt_len, "latency_slo_s": args.latency_slo,
+        "num_prompts": args.num_prompts, "max_output_len": args.max_output_len,
+        "server": args.base_url or "started per config",
+        "command": R.command_line(args._parser, args, "prefixserve bench serve"),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "engine": {k: v for k, v in engine_kw.items() if v is not None},
+        "configs": {c: R.CONFIGS[c] for c in args.configs},
+        "sustainable_request_rate": rates,
+        "sustainable_vs_paged_nocache": {c: R.ratio(r, base) for c, r in rates.items()},
+        "results": entries,
+    }
+
+
+_COLUMNS = (("config", "config", ""), ("rate", "request_rate", "g"), ("done", "completed", "d"), ("failed", "failed", "d"),
+            ("out tok/s", "output_tokens_per_s", ".1f"), ("req/s", "requests_per_s", ".3f"),
+            ("norm lat s/tok", "normalized_latency_mean_s", ".3f"), ("TTFT p50", "ttft_p50_s", ".2f"),
+            ("TTFT p99", "ttft_p99_s", ".2f"), ("ITL p50", "itl_p50_s", ".3f"), ("ITL p99", "itl_p99_s", ".3f"),
+            ("sustainable", "sustainable_request_rate", "g"))
+
+
+def print_summary(doc: dict) -> None:
+    print(f"\nserve sharegpt (system prompt {doc['system_prompt_len']})  model {doc['model']}  "
+          f"on {doc['hardware']['name']}  SLO {doc['latency_slo_s']} s/token")
+    R.print_table(doc["results"], _COLUMNS)

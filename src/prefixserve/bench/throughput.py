@@ -1,0 +1,298 @@
+"""`prefixserve bench throughput`: offline batches, every config side by side in one process.
+
+For each sweep point the workload is built once; then each config gets a fresh engine (the
+previous one freed first), a small warm-up on token-shifted prompts (same shape, no cache hits
+on the real ones), and the whole batch submitted at once and run to completion. Reported per
+(config, point): output tokens/s and requests/s over the whole run, decode tokens/s over the
+steps that computed no prompt token (Hydragen's decode throughput), ratios to `paged-nocache`
+and to the `no-attention` ceiling, prompt tokens computed, peak KV tokens held (physical) vs the
+running sequences' lengths (logical), and for greedy workloads whether every output is token
+for token the reference config's (`paged-nocache` when run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+from . import results as R
+from . import workloads as W
+
+log = logging.getLogger(__name__)
+
+_WARMUP_SHIFT = 7919  # added to warm-up token ids, so the warm-up never prefixes the real prompts
+_DEFAULT_GEN_LEN = {"synthetic": 256, "multi-sample": 128, "hierarchical": 128, "long-doc": 32}
+
+
+def register(sub) -> None:
+    from ..cli import add_engine_args
+    p = sub.add_parser("throughput", help="offline batch throughput of the configs on one workload",
+                       description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=W.WORKLOADS, default="sharegpt")
+    p.add_argument("--configs", type=R.config_list, default=list(R.CONFIGS),
+                   help=f"comma-separated, run in this order (default: all: {','.join(R.CONFIGS)})")
+    p.add_argument("--no-warmup", action="store_true", help="skip the per-config warm-up")
+    g = p.add_argument_group("workload (lists sweep: one JSON entry per config and value)")
+    g.add_argument("--system-prompt-len", type=R.int_list, default=[1024], help="sharegpt, synthetic: list")
+    g.add_argument("--num-prompts", type=int, default=32, help="sharegpt, synthetic")
+    g.add_argument("--max-output-len", type=int, default=256, help="sharegpt: cap on the real answers' lengths")
+    g.add_argument("--max-prompt-len", type=int, default=1024, help="sharegpt: longer questions are skipped")
+    g.add_argument("--dataset-seed", type=int, default=0, help="sharegpt: which conversations; sampling seeds")
+    g.add_argument("--prompt-len", type=int, default=128, help="synthetic: user prompt tokens")
+    g.add_argument("--gen-len", type=int, default=None,
+                   help="tokens per completion (default: synthetic 256, multi-sample/hierarchical 128, long-doc 32)")
+    g.add_argument("--prefix-len", type=R.int_list, default=[2048],
+                   help="multi-sample: list; the batch sweep runs at the first value, the prefix sweep at the largest batch")
+    g.add_argument("--batch", type=R.int_list, default=[32], help="multi-sample: completions of the prompt, list")
+    g.add_argument("--fewshot-len", type=int, default=1024, help="hierarchical")
+    g.add_argument("--problems", type=int, default=4, help="hierarchical")
+    g.add_argument("--problem-len", type=int, default=256, help="hierarchical")
+    g.add_argument("--samples", type=int, default=16, help="hierarchical: completions per problem")
+    g.add_argument("--doc-len", type=R.int_list, default=[4096],
+                   help="long-doc: list; the questions sweep runs at the first value, the length sweep at the most questions")
+    g.add_argument("--questions", type=R.int_list, default=[16], help="long-doc: list")
+    g.add_argument("--question-len", type=int, default=32, help="long-doc")
+    R.add_output_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=run, _parser=p)
+
+
+# ---- the command -----------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    from ..cli import engine_kwargs
+    engine_kw = {k: v for k, v in engine_kwargs(args).items() if k not in ("attention_backend", "enable_prefix_caching")}
+    R.set_threads(args.threads)
+    hw, model = R.hardware(), R.model_name(engine_kw)
+    src = W.token_source(engine_kw)
+    entries = []
+    for point in _points(args):
+        wl = _build(args, src, point)
+        log.info("workload %s %s: %d sequences, %d prompt tokens, %d output tokens", wl.name, point,
+                 wl.num_sequences, wl.prompt_tokens, wl.output_tokens)
+        entries += compare_configs(args.configs, engine_kw, wl, point, progress=not args.no_progress,
+                                   warmup=not args.no_warmup)
+    doc = _document(args, hw, model, engine_kw, entries)
+    path = R.result_path(args.out_dir, "throughput", args.workload, model, hw, args.tag)
+    R.write_json(path, doc)
+    print_summary(doc)
+    if not args.no_plot:
+        from .plots import plot_throughput
+        plot_throughput(doc, path.with_suffix(".png"))
+    print(f"wrote {path}" + ("" if args.no_plot else f" and {path.with_suffix('.png').name}"))
+    return 0
+
+
+def compare_configs(configs: list[str], engine_kw: dict, wl: W.Workload, point: dict,
+                    progress: bool = True, warmup: bool = True) -> list[dict]:
+    """Run `wl` under each config in turn; entries with ratios and the exactness verdict."""
+    entries, outputs = [], {}
+    for name in configs:
+        entry, outputs[name] = run_config(name, {**engine_kw, **R.CONFIGS[name]}, wl, progress, warmup)
+        entries.append({"config": name, **point, **entry})
+    _add_comparisons(entries, outputs, wl.greedy)
+    return entries
+
+
+def _add_comparisons(entries: list[dict], outputs: dict[str, list], greedy: bool) -> None:
+    by = {e["config"]: e for e in entries}
+    exact = [e["config"] for e in entries if e["config"] not in R.INEXACT]
+    ref = R.BASELINE if R.BASELINE in by else (exact[0] if exact else None)
+    for e in entries:
+        for key, other in (("vs_paged_nocache", R.BASELINE), ("vs_no_attention", R.CEILING)):
+            o = by.get(other, {})
+            e[key] = R.ratio(e["output_tokens_per_s"], o.get("output_tokens_per_s"))
+            e["decode_" + key] = R.ratio(e["decode_tokens_per_s"], o.get("decode_tokens_per_s"))
+        compare = greedy and ref is not None and e["config"] in exact and e["config"] != ref
+        mismatched = sum(a != b for a, b in zip(outputs[e["config"]], outputs[ref])) if compare else None
+        e.update(identical_to=ref if compare else None, mismatched_sequences=mismatched,
+                 identical_outputs=None if mismatched is None else mismatched == 0)
+
+
+# ---- one config ------------------------------------------------------------------------------
+def run_config(name: str, kwargs: dict, wl: W.Workload, progress: bool = True,
+               warmup: bool = True) -> tuple[dict, list[list[int]]]:
+    """Build an engine for `kwargs`, run `wl` through it; -> (metrics, output ids per sequence)."""
+    from ..llm import LLM
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    load_s = time.perf_counter() - t0
+    try:
+        if warmup:
+            _warmup(llm, wl)
+        metrics, outputs = _timed_run(llm.engine, wl, progress, desc=name)
+    finally:
+        llm.close()
+        del llm
+        R.free_device_memory()
+    return {"load_s": round(load_s, 3), **metrics}, outputs
+
+
+@dataclasses.dataclass
+class _Clock:
+    """Step times, split by whether the step computed prompt tokens (prefill) or only decoded."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0  # tokens sampled in decode-only steps
+    peak_in_use: int = 0
+    peak_logical: int = 0
+    choices: Counter = dataclasses.field(default_factory=Counter)
+
+
+def _timed_run(engine, wl: W.Workload, progress: bool, desc: str) -> tuple[dict, list[list[int]]]:
+    from tqdm.auto import tqdm
+    before = engine.kv_cache_stats()
+    preempt0 = engine.scheduler.num_preemptions
+    ids = [f"bench-{i}" for i in range(len(wl.prompts))]
+    for rid, prompt, params in zip(ids, wl.prompts, wl.params):
+        engine.add_request(rid, prompt, params)
+    clock, seen, done, generated = _Clock(), {}, {}, 0
+    bar = tqdm(total=wl.output_tokens, desc=f"{desc:>13}", unit="tok", disable=not progress, leave=False)
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        new = _step(engine, clock, seen, done)
+        generated += new
+        bar.update(new)
+    elapsed = time.perf_counter() - start
+    bar.close()
+    after = engine.kv_cache_stats()
+    outputs = [c.token_ids for rid in ids for c in sorted(done[rid].outputs, key=lambda c: c.index)]
+    return _metrics(wl, clock, elapsed, generated, before, after, engine, preempt0), outputs
+
+
+def _step(engine, clock: _Clock, seen: dict[str, int], done: dict) -> int:
+    """One engine step, timed and classified; -> tokens sampled in it."""
+    computed0 = engine.computed_prompt_tokens
+    t = time.perf_counter()
+    outs = engine.step()
+    _synchronize()
+    dt = time.perf_counter() - t
+    sampled = 0
+    for out in outs:
+        total = sum(len(c.token_ids) for c in out.outputs)
+        sampled, seen[out.request_id] = sampled + total - seen.get(out.request_id, 0), total
+        if out.finished:
+            done[out.request_id] = out
+    if engine.computed_prompt_tokens > computed0:
+        clock.prefill_s, clock.prefill_steps = clock.prefill_s + dt, clock.prefill_steps + 1
+    else:
+        clock.decode_s, clock.decode_steps = clock.decode_s + dt, clock.decode_steps + 1
+        clock.decode_tokens += sampled
+    stats = engine.kv_cache_stats()
+    clock.peak_in_use = max(clock.peak_in_use, stats.in_use_tokens)
+    clock.peak_logical = max(clock.peak_logical, stats.logical_tokens)
+    if chosen := getattr(engine.backend, "chosen", None):
+        clock.choices[chosen] += 1
+    return sampled
+
+
+def _synchronize() -> None:
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _metrics(wl: W.Workload, c: _Clock, elapsed: float, generated: int, before, after, engine,
+             preempt0: int) -> dict[str, Any]:
+    def per_s(n, s):
+        return round(n / s, 3) if s > 0 else None
+    return {
+        "requests": len(wl.prompts), "sequences": wl.num_sequences,
+        "prompt_tokens": after.prompt_tokens - before.prompt_tokens,
+        "prompt_tokens_computed": after.computed_prompt_tokens - before.computed_prompt_tokens,
+        "prefix_hit_tokens": after.prefix_hit_tokens - before.prefix_hit_tokens,
+        "output_tokens": generated,
+        "elapsed_s": round(elapsed, 3), "prefill_s": round(c.prefill_s, 3), "decode_s": round(c.decode_s, 3),
+        "output_tokens_per_s": per_s(generated, elapsed), "requests_per_s": per_s(len(wl.prompts), elapsed),
+        "decode_tokens_per_s": per_s(c.decode_tokens, c.decode_s),
+        "steps": c.prefill_steps + c.decode_steps, "prefill_steps": c.prefill_steps,
+        "peak_kv_tokens_physical": c.peak_in_use, "peak_kv_tokens_logical": c.peak_logical,
+        "kv_capacity_tokens": after.capacity_tokens,
+        "preemptions": engine.scheduler.num_preemptions - preempt0,
+        "attention_choices": dict(c.choices) or None,
+    }
+
+
+def _warmup(llm, wl: W.Workload) -> None:
+    """Two short requests shaped like the workload's (a shared start, distinct ends), their ids
+    shifted so that they share no prefix with the real prompts; two tokens each."""
+    vocab = llm.engine.model.cfg.vocab_size
+    prompts = [p[:32] + p[-16:] for p in (wl.prompts * 2)[:2]]
+    prompts = [[(t + _WARMUP_SHIFT) % vocab for t in p] for p in prompts]
+    params = [dataclasses.replace(p, max_tokens=2, n=min(p.n, 2)) for p in (wl.params * 2)[:2]]
+    llm.generate(prompts, params, use_tqdm=False)
+
+
+def _points(args) -> list[dict]:
+    if args.workload in ("sharegpt", "synthetic"):
+        return W.sweep_points(("system_prompt_len", args.system_prompt_len))
+    if args.workload == "multi-sample":
+        return W.sweep_points(("batch", args.batch), ("prefix_len", args.prefix_len))
+    if args.workload == "long-doc":
+        return W.sweep_points(("questions", args.questions), ("doc_len", args.doc_len))
+    return [{}]
+
+
+def _sweep_lines(args) -> list[dict]:
+    """The plotted lines: each swept axis with the other axis held fixed (see sweep_points)."""
+    axes = {"sharegpt": ("system_prompt_len", None), "synthetic": ("system_prompt_len", None),
+            "multi-sample": ("batch", "prefix_len"), "long-doc": ("questions", "doc_len")}.get(args.workload)
+    if axes is None:
+        return []
+    a, b = axes
+    avals, bvals = getattr(args, a), getattr(args, b) if b else [None]
+    lines = [{"x": a, "fixed": {b: bvals[0]} if b else {}}] if len(avals) > 1 else []
+    if b and len(bvals) > 1:
+        lines.append({"x": b, "fixed": {a: max(avals)}})
+    return lines
+
+
+def _build(args, src: W.TokenSource, point: dict) -> W.Workload:
+    gen = args.gen_len or _DEFAULT_GEN_LEN.get(args.workload)
+    if args.workload == "sharegpt":
+        return W.sharegpt(src, point["system_prompt_len"], args.num_prompts, args.max_output_len,
+                          args.max_prompt_len, args.dataset_seed)
+    if args.workload == "synthetic":
+        return W.synthetic(src, point["system_prompt_len"], args.num_prompts, args.prompt_len, gen)
+    if args.workload == "multi-sample":
+        return W.multi_sample(src, point["prefix_len"], point["batch"], gen, args.dataset_seed)
+    if args.workload == "hierarchical":
+        return W.hierarchical(src, args.fewshot_len, args.problems, args.problem_len, args.samples, gen,
+                              args.dataset_seed)
+    return W.long_doc(src, point["doc_len"], point["questions"], args.question_len, gen)
+
+
+def _document(args, hw: dict, model: str, engine_kw: dict, entries: list[dict]) -> dict:
+    spl = args.system_prompt_len if args.workload in ("sharegpt", "synthetic") else None
+    return {
+        "benchmark": "throughput", "hardware": hw, "model": model, "workload": args.workload,
+        "system_prompt_len": spl[0] if spl and len(spl) == 1 else spl,
+        "command": R.command_line(args._parser, args, "prefixserve bench throughput"),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "engine": {k: v for k, v in engine_kw.items() if v is not None},
+        "configs": {c: R.CONFIGS[c] for c in args.configs},
+        "sweep": _sweep_lines(args),
+        "results": entries,
+    }
+
+
+_COLUMNS = (("config", "config", ""), ("out tok/s", "output_tokens_per_s", ".1f"), ("req/s", "requests_per_s", ".3f"),
+            ("decode tok/s", "decode_tokens_per_s", ".1f"), ("x nocache", "vs_paged_nocache", ".2f"),
+            ("x no-attn", "vs_no_attention", ".2f"), ("prefill s", "prefill_s", ".1f"), ("decode s", "decode_s", ".1f"),
+            ("prompt computed", "prompt_tokens_computed", "d"), ("KV phys", "peak_kv_tokens_physical", "d"),
+            ("KV logical", "peak_kv_tokens_logical", "d"), ("identical", "identical_outputs", ""))
+
+
+def print_summary(doc: dict) -> None:
+    hw = doc["hardware"]
+    print(f"\n{doc['benchmark']} {doc['workload']}  model {doc['model']}  on {hw['name']}")
+    sweep = [k for k in ("system_prompt_len", "batch", "prefix_len", "questions", "doc_len")
+             if len({e.get(k) for e in doc["results"]}) > 1]
+    cols = _COLUMNS[:1] + tuple((k, k, "") for k in sweep) + _COLUMNS[1:]
+    R.print_table(doc["results"], cols)

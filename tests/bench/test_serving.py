@@ -1,0 +1,61 @@
+"""`prefixserve bench serve` against real `prefixserve serve` processes (one per config), and
+its statistics on hand-made timelines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prefixserve.bench.loadgen import RequestRecord, summarize
+from prefixserve.bench.serving import engine_flags, sustainable_rates
+from prefixserve.cli import main
+
+
+def test_tiny_sweep_against_real_servers(tmp_path):
+    argv = ["bench", "serve", "--configs", "paged-nocache,auto", "--request-rate", "20,inf", "--num-prompts", "3",
+            "--system-prompt-len", "40", "--max-output-len", "5", "--max-prompt-len", "40", "--latency-slo", "30",
+            "--kv-cache-memory", str(64 << 20), "--threads", "1", "--no-progress", "--out-dir", str(tmp_path)]
+    assert main(argv) == 0
+    (path,) = tmp_path.glob("serve-sharegpt-SmolLM2-135M-Instruct-*.json")
+    assert path.with_suffix(".png").stat().st_size > 10_000
+    doc = json.loads(path.read_text())
+    assert doc["system_prompt_len"] == 40 and doc["latency_slo_s"] == 30
+    assert [(e["config"], e["request_rate"]) for e in doc["results"]] == [
+        ("paged-nocache", 20.0), ("paged-nocache", "inf"), ("auto", 20.0), ("auto", "inf")]
+    for e in doc["results"]:
+        assert e["completed"] == 3 and e["failed"] == 0, e["errors"]
+        assert 3 * 4 <= e["output_tokens"] <= 3 * 5 and e["output_tokens_per_s"] > 0
+        assert 0 < e["ttft_p50_s"] <= e["latency_mean_s"] * 3 and e["itl_p50_s"] > 0
+        assert e["normalized_latency_mean_s"] > 0
+    assert doc["sustainable_request_rate"] == {"paged-nocache": "inf", "auto": "inf"}
+    cached = [e["cached_prompt_tokens"] for e in doc["results"] if e["config"] == "auto"]
+    assert all(c >= 3 * 40 for c in cached), "the system prompt is served from the cache"
+    assert all(e["cached_prompt_tokens"] == 0 for e in doc["results"] if e["config"] == "paged-nocache")
+
+
+def _record(sent, chunks, tokens, error=None):
+    return RequestRecord(10, sent, chunks, chunks[-1] if chunks else None, tokens, 0, error)
+
+
+def test_summary_statistics():
+    recs = [_record(0.0, [1.0, 1.5, 2.0], 4), _record(1.0, [1.5, 3.0], 2), _record(2.0, [], 0, "HTTP 500")]
+    s = summarize(recs, duration=4.0)
+    assert (s["completed"], s["failed"], s["output_tokens"]) == (2, 1, 6)
+    assert s["output_tokens_per_s"] == 1.5 and s["requests_per_s"] == 0.5
+    assert s["normalized_latency_mean_s"] == pytest.approx((2.0 / 4 + 2.0 / 2) / 2)
+    assert s["ttft_mean_s"] == pytest.approx(0.75) and s["itl_p50_s"] == pytest.approx(0.5)
+    assert s["errors"] == ["HTTP 500"]
+
+
+def test_sustainable_rate_is_the_highest_within_slo():
+    rows = [("a", 1, 0.1, 0), ("a", 2, 0.4, 0), ("a", 4, 0.9, 0), ("b", 1, 0.2, 0), ("b", 2, 0.3, 1)]
+    entries = [dict(config=c, request_rate=r, normalized_latency_mean_s=lat, failed=f) for c, r, lat, f in rows]
+    entries.append(dict(config="c", request_rate=1, normalized_latency_mean_s=0.7, failed=0))
+    assert sustainable_rates(entries, 0.5) == {"a": 2, "b": 1, "c": None}
+
+
+def test_engine_flags_spell_the_cli():
+    assert engine_flags({"attention_backend": "relay", "enable_prefix_caching": False, "model": None,
+                         "kv_cache_memory": 5}) == ["--attention-backend", "relay", "--no-enable-prefix-caching",
+                                                    "--kv-cache-memory", "5"]

@@ -1,0 +1,85 @@
+"""`prefixserve bench throughput` end to end at tiny scale on the embedded model: valid JSON
+with every requested config (and sweep point), identical greedy outputs, a PNG."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from prefixserve.bench import results as R
+from prefixserve.bench import throughput as T
+from prefixserve.bench import workloads as W
+from prefixserve.cli import build_parser, main
+
+TINY = ("--kv-cache-memory", str(64 << 20), "--threads", "1", "--no-progress")
+
+
+def _run(tmp_path, *argv) -> dict:
+    assert main(["bench", "throughput", "--out-dir", str(tmp_path), *TINY, *argv]) == 0
+    (path,) = tmp_path.glob("throughput-*-SmolLM2-135M-Instruct-*.json")
+    assert path.with_suffix(".png").stat().st_size > 10_000
+    return json.loads(path.read_text())
+
+
+def test_sharegpt_all_configs_identical_greedy_outputs(tmp_path):
+    doc = _run(tmp_path, "--workload", "sharegpt", "--system-prompt-len", "48", "--num-prompts", "3",
+               "--max-output-len", "6", "--max-prompt-len", "48")
+    assert doc["workload"] == "sharegpt" and doc["model"] == "SmolLM2-135M-Instruct"
+    assert doc["system_prompt_len"] == 48 and doc["hardware"]["device"] in ("cpu", "cuda")
+    assert [e["config"] for e in doc["results"]] == list(R.CONFIGS)
+    by = {e["config"]: e for e in doc["results"]}
+    for name, e in by.items():
+        assert e["output_tokens"] == by["paged-nocache"]["output_tokens"] > 0
+        assert e["output_tokens_per_s"] > 0 and e["requests_per_s"] > 0 and e["requests"] == 3
+        assert e["vs_paged_nocache"] > 0 and e["vs_no_attention"] > 0
+        assert e["identical_outputs"] is (None if name in ("paged-nocache", "no-attention") else True), name
+        assert e["preemptions"] == 0
+    nocache, cached = by["paged-nocache"], by["auto"]
+    assert nocache["prompt_tokens_computed"] == nocache["prompt_tokens"]
+    # the 48-token system prompt (and the "User:" line after it) is computed once, not 3 times
+    assert cached["prompt_tokens_computed"] <= nocache["prompt_tokens"] - 2 * 48
+    assert cached["peak_kv_tokens_physical"] < nocache["peak_kv_tokens_physical"]
+    assert cached["peak_kv_tokens_logical"] >= nocache["peak_kv_tokens_physical"] - 3 * 16
+
+
+def test_multi_sample_sweep_is_hydragen_fig3(tmp_path):
+    doc = _run(tmp_path, "--workload", "multi-sample", "--configs", "paged,hydragen", "--batch", "2,4",
+               "--prefix-len", "32,48", "--gen-len", "3")
+    points = [(e["config"], e["batch"], e["prefix_len"]) for e in doc["results"]]
+    assert points == [(c, b, p) for b, p in ((2, 32), (4, 32), (4, 48)) for c in ("paged", "hydragen")]
+    assert doc["sweep"] == [{"x": "batch", "fixed": {"prefix_len": 32}}, {"x": "prefix_len", "fixed": {"batch": 4}}]
+    for e in doc["results"]:
+        assert e["sequences"] == e["batch"] and e["output_tokens"] == 3 * e["batch"]
+        # the prompt is computed once; each sample computes only its last prompt token itself
+        assert e["prompt_tokens_computed"] == e["prefix_len"] + e["batch"] - 1
+        assert e["identical_outputs"] is None  # sampled, not greedy: not compared
+        assert e["vs_paged_nocache"] is None  # paged-nocache not run
+
+
+@pytest.mark.parametrize("workload, flags, unique_prompt", [
+    ("hierarchical", ("--fewshot-len", "40", "--problems", "2", "--problem-len", "8", "--samples", "3"), 40 + 2 * 8),
+    ("long-doc", ("--doc-len", "60", "--questions", "3", "--question-len", "5"), 60 + 3 * 5),
+])
+def test_shared_prefixes_computed_once(workload, flags, unique_prompt):
+    args = build_parser().parse_args(["bench", "throughput", "--workload", workload, *flags, "--gen-len", "2"])
+    src = W.token_source({})
+    wl = T._build(args, src, T._points(args)[0])
+    kw = {"kv_cache_memory": 64 << 20}
+    entries = T.compare_configs(["paged-nocache", "auto"], kw, wl, {}, progress=False)
+    nocache, auto = entries
+    extra_samples = wl.num_sequences - len(wl.prompts)  # each extra sample computes its last prompt token
+    assert auto["prompt_tokens_computed"] == unique_prompt + extra_samples
+    assert nocache["prompt_tokens_computed"] == wl.prompt_tokens
+    if wl.greedy:
+        assert auto["identical_outputs"] is True
+
+
+def test_command_reproduces_the_arguments():
+    argv = ["bench", "throughput", "--workload", "multi-sample", "--batch", "8,16", "--no-warmup",
+            "--no-enable-prefix-caching", "--chunk-size", "32"]
+    args = build_parser().parse_args(argv)
+    cmd = R.command_line(args._parser, args, "prefixserve bench throughput")
+    again = build_parser().parse_args(["bench", "throughput", *shlex.split(cmd)[3:]])
+    assert {k: v for k, v in vars(again).items() if k != "_parser"} == {k: v for k, v in vars(args).items() if k != "_parser"}
