@@ -7,7 +7,7 @@ import pytest
 
 from prefixserve import LLM, SamplingParams
 
-from conftest import hf_greedy, run_checked
+from engine_checks import hf_greedy, run_checked
 
 BACKENDS = ("paged", "relay", "hydragen", "chunk", "auto")
 NEW = 24

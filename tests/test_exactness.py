@@ -7,7 +7,7 @@ import pytest
 
 from prefixserve import SamplingParams
 
-from conftest import hf_greedy, run_checked
+from engine_checks import hf_greedy, run_checked
 
 LENGTHS = (2, 9, 37, 120, 300, 640, 1024, 1500)
 NEW_TOKENS = 40

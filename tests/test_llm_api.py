@@ -9,7 +9,7 @@ import pytest
 
 from prefixserve import SamplingParams
 
-from conftest import run_checked
+from engine_checks import run_checked
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

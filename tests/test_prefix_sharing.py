@@ -6,7 +6,7 @@ import pytest
 
 from prefixserve import LLM, SamplingParams
 
-from conftest import hf_greedy, run_checked
+from engine_checks import hf_greedy, run_checked
 
 NEW = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
