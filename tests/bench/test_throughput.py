@@ -33,7 +33,8 @@ def test_sharegpt_all_configs_identical_greedy_outputs(tmp_path):
     for name, e in by.items():
         assert e["output_tokens"] == by["paged-nocache"]["output_tokens"] > 0
         assert e["output_tokens_per_s"] > 0 and e["requests_per_s"] > 0 and e["requests"] == 3
-        assert e["vs_paged_nocache"] > 0 and e["vs_no_attention"] > 0
+        assert e["vs_paged_nocache"] > 0 and e["vs_no_attention"] > 0 and e["cpu_time_vs_paged_nocache"] > 0
+        assert 0 < e["prefill_s"] + e["decode_s"] <= e["elapsed_s"] and e["process_cpu_s"] > 0
         assert e["identical_outputs"] is (None if name in ("paged-nocache", "no-attention") else True), name
         assert e["preemptions"] == 0
     nocache, cached = by["paged-nocache"], by["auto"]
@@ -83,3 +84,18 @@ def test_command_reproduces_the_arguments():
     cmd = R.command_line(args._parser, args, "prefixserve bench throughput")
     again = build_parser().parse_args(["bench", "throughput", *shlex.split(cmd)[3:]])
     assert {k: v for k, v in vars(again).items() if k != "_parser"} == {k: v for k, v in vars(args).items() if k != "_parser"}
+
+
+def test_results_are_named_by_model_and_hardware(tmp_path):
+    (tmp_path / "llama-2-7b.json").write_text("{}")
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text("{}")
+    dummy = {"load_format": "dummy"}
+    assert R.model_name({"model": str(tmp_path / "llama-2-7b.json"), **dummy}) == "llama-2-7b"
+    assert R.model_name({"model": str(tmp_path / "tiny" / "config.json"), **dummy}) == "tiny"
+    assert R.model_name({"model": str(tmp_path / "tiny"), **dummy}) == "tiny"
+    assert R.model_name({}) == "SmolLM2-135M-Instruct"
+    gpu = {"device": "cuda", "name": "NVIDIA H200", "count": 2}
+    path = R.result_path(tmp_path, "throughput", "sharegpt", "llama-2-7b", gpu)
+    assert path.name == "throughput-sharegpt-llama-2-7b-h200-x2.json"
+    assert R.result_path(tmp_path, "serve", "sharegpt", "m", {"device": "cpu"}).name == "serve-sharegpt-m-cpu.json"

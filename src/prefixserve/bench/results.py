@@ -38,6 +38,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
 BASELINE, CEILING = "paged-nocache", "no-attention"
 INEXACT = frozenset({CEILING})  # configs whose outputs are not the model's
 DEFAULT_OUT_DIR = Path("benchmarks") / "results"
+ENGINE_FLAGS_NOTE = ("Each config sets --attention-backend and --[no-]enable-prefix-caching; the other "
+                     "engine flags apply to every config.")
+_SECRET = frozenset({"api_key"})  # never written into a result's `command`
 
 
 # ---- argument parsing ------------------------------------------------------------------------
@@ -86,7 +89,7 @@ def command_line(parser: argparse.ArgumentParser, args: argparse.Namespace, prog
     """The shell command that reproduces `args`: every option that differs from its default."""
     words = prog.split()
     for action in parser._actions:
-        if not action.option_strings or action.dest in ("help",):
+        if not action.option_strings or action.dest == "help" or action.dest in _SECRET:
             continue
         value = getattr(args, action.dest, action.default)
         if value == action.default:
@@ -118,6 +121,14 @@ def hardware() -> dict[str, Any]:
     return {"device": "cpu", "name": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()}
 
 
+def load_average() -> list[float] | None:
+    """The machine's 1/5/15-minute load: on a shared machine, what else ran beside the benchmark."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -143,9 +154,9 @@ def model_name(engine_kwargs: dict[str, Any]) -> str:
     from ..model import loader
     name = loader.resolve(EngineConfig.from_kwargs(**engine_kwargs)).name
     model = engine_kwargs.get("model")
-    if name.endswith(".json") and model:  # a lone config.json: name it by its folder
+    if model and Path(model).name == "config.json":  # a lone config.json: name it by its folder
         name = Path(model).resolve().parent.name
-    return re.sub(r"\.(gguf|json)$", "", name)
+    return re.sub(r"\.(gguf|json)$", "", name)  # llama-2-7b.json: by its stem
 
 
 def result_path(out_dir: Path, bench: str, workload: str, model: str, hw: dict, tag: str = "") -> Path:

@@ -41,12 +41,14 @@ log = logging.getLogger(__name__)
 def register(sub) -> None:
     from ..cli import add_engine_args
     p = sub.add_parser("serve", help="online serving: Poisson arrivals over request rates, one server per config",
-                       description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__.split("\n\n")[1], epilog=R.ENGINE_FLAGS_NOTE,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", type=R.config_list, default=["paged-nocache", "paged", "relay", "auto"],
                    help=f"comma-separated, one server each (choices: {','.join(R.CONFIGS)})")
     p.add_argument("--base-url", default=None,
                    help="benchmark this running server instead (e.g. http://127.0.0.1:8000); --configs then only labels it")
-    p.add_argument("--api-key", default=os.environ.get("PREFIXSERVE_API_KEY"), help="bearer token for the server")
+    p.add_argument("--api-key", default=None,
+                   help="bearer token for the server (default: $PREFIXSERVE_API_KEY); never written to the results")
     p.add_argument("--request-rate", type=R.float_list, default=[1.0, 2.0, 4.0, 8.0],
                    help="requests per second, list (inf = all at once)")
     p.add_argument("--latency-slo", type=float, default=0.5, help="seconds per output token (RelayAttention: 0.5)")
@@ -68,8 +70,10 @@ def run(args: argparse.Namespace) -> int:
     if args.base_url and len(args.configs) != 1:
         raise ValueError("with --base-url, name the running server's config with one --configs value")
     engine_kw = {k: v for k, v in engine_kwargs(args).items() if k not in ("attention_backend", "enable_prefix_caching")}
+    args.api_key = args.api_key or os.environ.get("PREFIXSERVE_API_KEY")
     R.set_threads(args.threads)  # recorded in `hardware`; the servers get it as OMP_NUM_THREADS
     hw, model = R.hardware(), R.model_name(engine_kw)
+    load_start = R.load_average()
     src = W.token_source(engine_kw)
     wl = W.sharegpt(src, args.system_prompt_len, args.num_prompts, args.max_output_len, args.max_prompt_len,
                     args.dataset_seed)
@@ -78,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         with _server(args, config, engine_kw) as url:
             entries += _sweep(args, url, config, src, wl)
     doc = _document(args, hw, model, engine_kw, entries)
+    doc["load_average"] = {"start": load_start, "end": R.load_average()}
     path = R.result_path(args.out_dir, "serve", "sharegpt", model, hw, args.tag)
     R.write_json(path, doc)
     print_summary(doc)

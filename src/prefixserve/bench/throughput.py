@@ -31,7 +31,8 @@ _DEFAULT_GEN_LEN = {"synthetic": 256, "multi-sample": 128, "hierarchical": 128, 
 def register(sub) -> None:
     from ..cli import add_engine_args
     p = sub.add_parser("throughput", help="offline batch throughput of the configs on one workload",
-                       description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__.split("\n\n")[1], epilog=R.ENGINE_FLAGS_NOTE,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=W.WORKLOADS, default="sharegpt")
     p.add_argument("--configs", type=R.config_list, default=list(R.CONFIGS),
                    help=f"comma-separated, run in this order (default: all: {','.join(R.CONFIGS)})")
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     engine_kw = {k: v for k, v in engine_kwargs(args).items() if k not in ("attention_backend", "enable_prefix_caching")}
     R.set_threads(args.threads)
     hw, model = R.hardware(), R.model_name(engine_kw)
+    load_start = R.load_average()
     src = W.token_source(engine_kw)
     entries = []
     for point in _points(args):
@@ -76,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         entries += compare_configs(args.configs, engine_kw, wl, point, progress=not args.no_progress,
                                    warmup=not args.no_warmup)
     doc = _document(args, hw, model, engine_kw, entries)
+    doc["load_average"] = {"start": load_start, "end": R.load_average()}
     path = R.result_path(args.out_dir, "throughput", args.workload, model, hw, args.tag)
     R.write_json(path, doc)
     print_summary(doc)
@@ -104,6 +107,7 @@ def _add_comparisons(entries: list[dict], outputs: dict[str, list], greedy: bool
     for e in entries:
         for key, other in (("vs_paged_nocache", R.BASELINE), ("vs_no_attention", R.CEILING)):
             o = by.get(other, {})
+            e["cpu_time_" + key] = R.ratio(e["output_tokens_per_cpu_s"], o.get("output_tokens_per_cpu_s"))
             e[key] = R.ratio(e["output_tokens_per_s"], o.get("output_tokens_per_s"))
             e["decode_" + key] = R.ratio(e["decode_tokens_per_s"], o.get("decode_tokens_per_s"))
         compare = greedy and ref is not None and e["config"] in exact and e["config"] != ref
@@ -142,6 +146,7 @@ class _Clock:
     decode_tokens: int = 0  # tokens sampled in decode-only steps
     peak_in_use: int = 0
     peak_logical: int = 0
+    cpu_s: float = 0.0  # this process's CPU time: on a shared machine, unlike wall time, not inflated by others
     choices: Counter = dataclasses.field(default_factory=Counter)
 
 
@@ -154,12 +159,12 @@ def _timed_run(engine, wl: W.Workload, progress: bool, desc: str) -> tuple[dict,
         engine.add_request(rid, prompt, params)
     clock, seen, done, generated = _Clock(), {}, {}, 0
     bar = tqdm(total=wl.output_tokens, desc=f"{desc:>13}", unit="tok", disable=not progress, leave=False)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     while engine.has_unfinished():
         new = _step(engine, clock, seen, done)
         generated += new
         bar.update(new)
-    elapsed = time.perf_counter() - start
+    elapsed, clock.cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     bar.close()
     after = engine.kv_cache_stats()
     outputs = [c.token_ids for rid in ids for c in sorted(done[rid].outputs, key=lambda c: c.index)]
@@ -210,6 +215,7 @@ def _metrics(wl: W.Workload, c: _Clock, elapsed: float, generated: int, before, 
         "output_tokens": generated,
         "elapsed_s": round(elapsed, 3), "prefill_s": round(c.prefill_s, 3), "decode_s": round(c.decode_s, 3),
         "output_tokens_per_s": per_s(generated, elapsed), "requests_per_s": per_s(len(wl.prompts), elapsed),
+        "process_cpu_s": round(c.cpu_s, 3), "output_tokens_per_cpu_s": per_s(generated, c.cpu_s),
         "decode_tokens_per_s": per_s(c.decode_tokens, c.decode_s),
         "steps": c.prefill_steps + c.decode_steps, "prefill_steps": c.prefill_steps,
         "peak_kv_tokens_physical": c.peak_in_use, "peak_kv_tokens_logical": c.peak_logical,
@@ -284,7 +290,8 @@ def _document(args, hw: dict, model: str, engine_kw: dict, entries: list[dict]) 
 
 _COLUMNS = (("config", "config", ""), ("out tok/s", "output_tokens_per_s", ".1f"), ("req/s", "requests_per_s", ".3f"),
             ("decode tok/s", "decode_tokens_per_s", ".1f"), ("x nocache", "vs_paged_nocache", ".2f"),
-            ("x no-attn", "vs_no_attention", ".2f"), ("prefill s", "prefill_s", ".1f"), ("decode s", "decode_s", ".1f"),
+            ("x no-attn", "vs_no_attention", ".2f"), ("x nocache cpu-time", "cpu_time_vs_paged_nocache", ".2f"),
+            ("prefill s", "prefill_s", ".1f"), ("decode s", "decode_s", ".1f"),
             ("prompt computed", "prompt_tokens_computed", "d"), ("KV phys", "peak_kv_tokens_physical", "d"),
             ("KV logical", "peak_kv_tokens_logical", "d"), ("identical", "identical_outputs", ""))
 
