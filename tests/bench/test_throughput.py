@@ -34,7 +34,7 @@ def test_sharegpt_all_configs_identical_greedy_outputs(tmp_path):
         assert e["output_tokens"] == by["paged-nocache"]["output_tokens"] > 0
         assert e["output_tokens_per_s"] > 0 and e["requests_per_s"] > 0 and e["requests"] == 3
         assert e["vs_paged_nocache"] > 0 and e["vs_no_attention"] > 0 and e["cpu_time_vs_paged_nocache"] > 0
-        assert 0 < e["prefill_s"] + e["decode_s"] <= e["elapsed_s"] and e["process_cpu_s"] > 0
+        assert 0 < e["prefill_s"] + e["decode_s"] <= e["elapsed_s"] + 0.01 and e["process_cpu_s"] > 0
         assert e["identical_outputs"] is (None if name in ("paged-nocache", "no-attention") else True), name
         assert e["preemptions"] == 0
     nocache, cached = by["paged-nocache"], by["auto"]
