@@ -136,9 +136,12 @@ class LlamaForCausalLM(nn.Module):
                 start = sum(sizes[:shard])
                 param[start:start + sizes[shard]].copy_(tensor)
             written.add((name, shard))
-        missing = {n for n in params if not any(w[0] == n for w in written)}
+        expected = {(n, i) for n in params for i in
+                    (range(len(self._shard_sizes(n))) if ("qkv_proj.weight" in n or "gate_up_proj" in n)
+                     else range(3) if "qkv_proj.bias" in n else [None])}
+        missing = sorted(str(k) for k in expected - written)
         if missing:
-            raise ValueError(f"checkpoint lacks weights for {sorted(missing)[:5]}")
+            raise ValueError(f"checkpoint lacks weights for {missing[:5]}")
 
     def _shard_sizes(self, name: str) -> tuple[int, ...]:
         if "qkv_proj" in name:
