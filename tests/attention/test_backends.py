@@ -86,7 +86,7 @@ def test_no_attention_writes_kv_and_returns_zeros():
 
 def test_auto_logs_its_choice_and_is_exact(caplog):
     case = _fixed_case(prefill=True)
-    backend = AutoBackend(case.shape, GPU_COST_MODEL)
+    backend = AutoBackend(case.shape, model=GPU_COST_MODEL)
     with caplog.at_level(logging.DEBUG, logger="prefixserve.attention.backends.auto"):
         backend.plan(case.batch)
     assert f"auto attention: {backend.chosen}" in caplog.text

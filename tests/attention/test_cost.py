@@ -61,7 +61,7 @@ def test_no_attention_ceiling_only_writes_zeros():
 
 
 def test_auto_shares_a_long_prompt_and_pages_without_sharing():
-    auto = AutoBackend(shape(torch.bfloat16), GPU_COST_MODEL)
+    auto = AutoBackend(shape(torch.bfloat16), model=GPU_COST_MODEL)
     auto.plan(system_prompt_batch(32, 2048, 64))
     assert auto.chosen in ("relay", "hydragen")
     auto.plan(system_prompt_batch(32, 2048, 64, shared=False))

@@ -1,4 +1,5 @@
-"""Plan caching: identical structure reuses every tensor; decode steps update only what changed."""
+"""Plan caching: identical structure reuses every buffer; decode steps update only what changed,
+in place (stable addresses, as CUDA graphs need), by a full rebuild or by advancing the last plan."""
 
 import dataclasses
 import math
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from prefixserve.attention import create_backend
-from prefixserve.attention.base import AttentionBatch, AttentionShape, Segment, SeqQueries
+from prefixserve.attention.base import (AttentionBatch, AttentionShape, PaddedRows, Segment,
+                                         SeqQueries)
 from prefixserve.attention.plan import DevicePlan
 
 C, HKV, G, D = 16, 2, 3, 8
@@ -37,12 +39,13 @@ def dense_from_cache(batch, q, k_cache, v_cache):
     return torch.stack(out)
 
 
-def run_step(backend, batch, gen, k_cache, v_cache):
+def run_step(backend, batch, gen, k_cache, v_cache, full=None):
+    """Plan and run `batch` (`full`: the sequences an advanced batch stands for); check it."""
     backend.plan(batch)
     q = torch.randn(2, HKV * G, D, generator=gen)
     k, v = torch.randn(2, HKV, D, generator=gen), torch.randn(2, HKV, D, generator=gen)
     o = backend.run(q, k, v, k_cache, v_cache)
-    err = (o.double() - dense_from_cache(batch, q, k_cache, v_cache)).abs().max()
+    err = (o.double() - dense_from_cache(full or batch, q, k_cache, v_cache)).abs().max()
     assert err <= 1e-5 * v_cache.abs().max()  # fp32 tolerance, see test_reference_ops
     return backend.current
 
@@ -52,13 +55,17 @@ def tensors(plan):
     return {f: getattr(plan, f) for f in fields if isinstance(getattr(plan, f), torch.Tensor)}
 
 
+def addresses(plan):
+    return {f: t.data_ptr() for f, t in tensors(plan).items()}
+
+
 @pytest.mark.parametrize("name", ["paged", "hydragen", "chunk"])
-def test_same_structure_reuses_every_tensor(name):
+def test_same_structure_reuses_every_buffer(name):
     backend = create_backend(name, SHAPE)
     backend.plan(step(5, 3))
-    first = tensors(backend.current)
+    first, generation = addresses(backend.current), backend.generation
     backend.plan(dataclasses.replace(step(5, 3), slots=step(5, 3).slots.clone()))
-    assert all(t is first[f] for f, t in tensors(backend.current).items())
+    assert addresses(backend.current) == first and backend.generation == generation
 
 
 @pytest.mark.parametrize("name", ["paged", "hydragen", "chunk"])
@@ -67,11 +74,52 @@ def test_decode_steps_update_in_place_and_stay_exact(name):
     k_cache, v_cache = (torch.randn(12, C, HKV, D, generator=gen) for _ in range(2))
     backend = create_backend(name, SHAPE)
     before = tensors(run_step(backend, step(5, 3), gen, k_cache, v_cache))
-    kv_hi = before["kv_hi"].clone()
+    first, kv_hi = addresses(backend.current), before["kv_hi"].clone()
+    kv_chunk = before["kv_chunk"].clone()
     after = tensors(run_step(backend, step(6, 4), gen, k_cache, v_cache))  # same chunks
-    assert all(after[f] is before[f] for f in after)  # nothing reallocated
+    assert addresses(backend.current) == first  # nothing reallocated
     assert not torch.equal(after["kv_hi"], kv_hi)  # ...and the lengths updated in place
-    assert torch.equal(after["kv_chunk"], before["kv_chunk"])
+    assert torch.equal(after["kv_chunk"], kv_chunk)
     grown = tensors(run_step(backend, step(17, 5, (9, 11)), gen, k_cache, v_cache))  # new chunk
-    assert grown["kv_chunk"] is not before["kv_chunk"] and 11 in grown["kv_chunk"].tolist()
-    assert grown["item_q_start"] is before["item_q_start"]  # unchanged fields are still kept
+    assert 11 in grown["kv_chunk"].tolist()
+    assert addresses(backend.current) == first  # more entries, same (doubling) buffers
+
+
+def host_plan(plan):
+    return {f: t.tolist() for f, t in tensors(plan).items()}
+
+
+@pytest.mark.parametrize("name", ["paged", "relay", "hydragen", "chunk", "auto"])
+def test_advancing_a_plan_equals_rebuilding_it(name):
+    """Decode steps 12->20 of A (its 17th key opens chunk 11) and 3->11 of B: an advanced
+    plan holds exactly the arrays a fresh backend builds from the full batch, and stays exact."""
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = (torch.randn(12, C, HKV, D, generator=gen) for _ in range(2))
+    backend = create_backend(name, SHAPE)
+    run_step(backend, step(12, 3), gen, k_cache, v_cache)
+    for n in range(1, 9):
+        full = step(12 + n, 3 + n, (9, 11) if 12 + n > C else (9,))
+        assert backend.can_advance()
+        advanced = run_step(backend, AttentionBatch((), C, full.slots, advance=True), gen,
+                            k_cache, v_cache, full)
+        fresh = create_backend(name, SHAPE)
+        fresh.plan(full)
+        assert host_plan(advanced) == host_plan(fresh.current), n
+
+
+@pytest.mark.parametrize("name", ["paged", "hydragen", "chunk", "no-attention"])
+def test_padded_rows_attend_to_nothing(name):
+    gen = torch.Generator().manual_seed(2)
+    k_cache, v_cache = (torch.randn(12, C, HKV, D, generator=gen) for _ in range(2))
+    pad_slot = 11 * C + 5  # a slot no sequence of `step` owns
+    batch = dataclasses.replace(step(5, 3), padded=PaddedRows(8, pad_slot))
+    backend = create_backend(name, SHAPE)
+    backend.plan(batch)
+    q = torch.randn(8, HKV * G, D, generator=gen)
+    k, v = torch.randn(8, HKV, D, generator=gen), torch.randn(8, HKV, D, generator=gen)
+    o = backend.run(q, k, v, k_cache, v_cache)
+    assert o.shape == q.shape and not o[2:].any()
+    if name != "no-attention":
+        expect = dense_from_cache(step(5, 3), q[:2], k_cache, v_cache)
+        assert (o[:2].double() - expect).abs().max() <= 1e-5 * v_cache.abs().max()
+    assert torch.equal(k_cache.view(-1, HKV, D)[pad_slot], k[-1])  # padding wrote the pad slot

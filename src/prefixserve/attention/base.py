@@ -22,6 +22,16 @@ Queries. Sequence i owns rows `[q_start, q_start + q_len)` of this step's `q`; t
 positions `q_pos .. q_pos + q_len - 1` and attend causally: a query at position p sees keys at
 positions <= p. The new tokens' own K/V are written into the cache (at `slots`) before
 attention, so every key a query sees is read from the cache.
+
+Two variants of a batch keep the host work of a decode step small and CUDA-graph friendly:
+
+- `advance=True`: this batch is the previously planned one with every sequence advanced by
+  one decode token (same sequences, same order, same tree topology). `seqs` is then empty:
+  `slots` ([B], one per sequence) says where each new key goes, and the plan is updated from
+  the last one instead of being rebuilt (see `plan.PlanCache`).
+- `padded`: the step is replayed in a CUDA graph captured for `padded.rows` >= num_tokens
+  query rows. Rows past num_tokens are padding: they attend to nothing (output 0) and write
+  their K/V to `padded.pad_slot`, a slot that no sequence owns.
 """
 
 from __future__ import annotations
@@ -61,15 +71,32 @@ class SeqQueries:
 
 
 @dataclasses.dataclass(frozen=True)
+class PaddedRows:
+    rows: int  # query rows of the captured graph, >= the batch's num_tokens
+    pad_slot: int  # flat cache slot the padding rows write their K/V to
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionBatch:
-    seqs: tuple[SeqQueries, ...]  # depth-first tree order
+    seqs: tuple[SeqQueries, ...]  # depth-first tree order; () when `advance`
     chunk_size: int
     slots: torch.Tensor  # [num_tokens] int64 (CPU): where each new token's K/V is written
     pinned_node_ids: frozenset[int] = frozenset()
+    advance: bool = False  # the last planned batch, every sequence one decode token further
+    padded: PaddedRows | None = None  # replayed in a CUDA graph of padded.rows rows
+
+    def __post_init__(self):
+        assert not self.advance or not self.seqs, "an advanced batch names no sequences"
+        assert self.padded is None or self.padded.rows >= self.num_tokens
 
     @property
     def num_tokens(self) -> int:
         return int(self.slots.numel())
+
+    @property
+    def num_rows(self) -> int:
+        """Query rows of the step's q: num_tokens, or the graph's rows when padded."""
+        return self.padded.rows if self.padded else self.num_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,15 +121,27 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def plan(self, batch: AttentionBatch) -> None:
-        """Build this step's device index tensors from `batch` (reusing them when unchanged)."""
+        """Build this step's device index tensors from `batch` (reusing them when unchanged).
+        They live in buffers whose addresses change only when `generation` does."""
+
+    @property
+    def generation(self) -> int:
+        """Bumped whenever the plan's device buffers move (CUDA graphs must be re-captured)."""
+        return 0
+
+    def can_advance(self) -> bool:
+        """Whether the next batch may be `advance=True` (the last plan records every row's
+        newest key)."""
+        return False
 
     @abstractmethod
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Write the new keys/values, then attend.
 
-        q: [T, Hq, D]; k, v: [T, Hkv, D] (this step's new tokens, rotary already applied);
-        k_cache, v_cache: [num_chunks, C, Hkv, D] (one layer). Returns o: [T, Hq, D] in q's dtype.
+        q: [R, Hq, D]; k, v: [R, Hkv, D] (this step's new tokens, rotary already applied; R =
+        the batch's num_rows); k_cache, v_cache: [num_chunks, C, Hkv, D] (one layer).
+        Returns o: [R, Hq, D] in q's dtype (padding rows: 0).
         """
 
 

@@ -8,22 +8,26 @@ and `merge_partials` (and their Triton twins) take:
     row r  -> partial rows row_parts[row_indptr[r]:row_indptr[r+1]]   (only when merging)
 
 When every row is in exactly one item, items write straight into the output rows
-(item_out_start = item_q_start) and there is no merge.
+(item_out_start = item_q_start) and there is no merge. A padded batch (CUDA graph) has
+`padded.rows` rows: q_pos and slots are padded (position 0, the pad slot) and so is the merge
+CSR (padding rows merge nothing).
 
 Caching policy (`PlanCache`, one per backend):
   1. Exact reuse. The batch's structure -- every sequence's query rows, positions and
-     segments (node ids, lengths, chunk tuples, offsets), the chunk size and the pinned
-     nodes; everything but `slots` -- is compared with the last planned one. Equal: the
-     schedule and every index tensor are reused as they are (repeated benchmark batches,
-     re-planning the same step).
-  2. Otherwise the host arrays are rebuilt (O(sequences x depth) Python plus vectorized
-     numpy over chunks: cheaper than working out what changed) and compared field by field
-     with the last step's. An unchanged field keeps its device tensor (no copy); a changed
-     field of the same shape is copied in place (stable addresses, as CUDA graphs need); only
-     a field whose shape changed is reallocated. In a decode step without a newly filled chunk
-     only `q_pos`, `kv_hi` (and `slots`) change, so only those are copied: ChunkAttention's
-     lazy copy of the tree context.
-  A plan is valid until the next `get` on the same cache (its tensors may be updated in place).
+     segments, the chunk size, the pinned nodes and the padding; everything but `slots` -- is
+     compared with the last planned one. Equal: only `slots` is uploaded.
+  2. Advance (decode). `batch.advance`: the same sequences each gained one key and one query
+     position. At the last full build every row's newest key was found in an entry of an item
+     of that row alone (its private tail: `_tail_entries`); now q_pos += 1 and that entry's
+     kv_hi += 1, or, when the new key opens a chunk, a one-key entry is inserted after it.
+     Vectorized over rows; no schedule, no Python per sequence.
+  3. Otherwise the schedule and host arrays are rebuilt (O(sequences x depth) Python plus
+     numpy over chunks) and compared field by field with the last upload.
+  Device tensors are views of per-field buffers that only grow (by doubling), so a field's
+  address is stable across steps, as CUDA graphs need; `generation` counts the moves. Only a
+  field whose values changed is uploaded (through pinned staging: `staging.Uploader`): in a
+  decode step without a new chunk that is q_pos, kv_hi and slots -- ChunkAttention's lazy copy
+  of the tree context. A plan is valid until the next `get` on the same cache.
 
 Executor extras (`extend`): an ops executor may derive more per-plan arrays from the host
 arrays (the Triton path's work list); they are rebuilt with them and synced the same lazy way,
@@ -39,20 +43,21 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ..staging import Uploader
 from .base import AttentionBatch
 from .schedule import Schedule
 
 _FIELDS = ("slots", "q_pos", "item_q_start", "item_q_len", "item_out_start", "item_kv_indptr",
            "kv_chunk", "kv_lo", "kv_hi", "kv_pos", "row_indptr", "row_parts")
+_ENTRY_FIELDS = ("kv_chunk", "kv_lo", "kv_hi", "kv_pos")
 
 
 @dataclasses.dataclass(frozen=True)
 class DevicePlan:
     """Device tensors of one step (shapes in `ops.reference`); merge fields None if no merge."""
 
-    schedule: Schedule
-    slots: torch.Tensor  # [T] int64
-    q_pos: torch.Tensor  # [T] int32
+    slots: torch.Tensor  # [R] int64 (R = the batch's num_rows)
+    q_pos: torch.Tensor  # [R] int32
     item_q_start: torch.Tensor  # [I] int32
     item_q_len: torch.Tensor  # [I] int32
     item_out_start: torch.Tensor  # [I] int32
@@ -61,9 +66,10 @@ class DevicePlan:
     kv_lo: torch.Tensor  # [E] int32
     kv_hi: torch.Tensor  # [E] int32
     kv_pos: torch.Tensor  # [E] int32
-    row_indptr: torch.Tensor | None  # [T+1] int32
-    row_parts: torch.Tensor | None  # [P] int32
-    num_out_rows: int  # P
+    row_indptr: torch.Tensor | None  # [R+1] int32
+    row_parts: torch.Tensor | None  # [P'] int32
+    num_out_rows: int  # P, partial rows the items write
+    padded: bool  # a CUDA-graph step (fixed launch shapes; see ops.triton.kernels)
     extra: dict = dataclasses.field(default_factory=dict)  # the executor's (see `extend`)
 
     @property
@@ -119,8 +125,21 @@ def _merge_csr(q_start: np.ndarray, q_len: np.ndarray, num_rows: int) -> dict[st
             "row_parts": np.argsort(part_row, kind="stable")}
 
 
+def _pad_rows(arrays: dict, batch: AttentionBatch) -> None:
+    """Extend the per-row arrays of a padded batch to its graph's rows (in place)."""
+    if batch.padded is None:
+        return
+    extra = batch.padded.rows - batch.num_tokens
+    arrays["q_pos"] = np.concatenate([arrays["q_pos"], np.zeros(extra, np.int64)])
+    arrays["slots"] = np.concatenate([arrays["slots"],
+                                      np.full(extra, batch.padded.pad_slot, np.int64)])
+    if arrays["row_indptr"] is not None:
+        ptr = arrays["row_indptr"]
+        arrays["row_indptr"] = np.concatenate([ptr, np.full(extra, ptr[-1], np.int64)])
+
+
 def index_arrays(sched: Schedule, batch: AttentionBatch) -> dict[str, np.ndarray | None]:
-    """Host int64 arrays for every field of `DevicePlan` except `schedule`, `num_out_rows`."""
+    """Host int64 arrays for every index field of `DevicePlan`."""
     assert all(it.q_len > 0 and it.pieces for it in sched.items)
     q_start = np.array([it.q_start for it in sched.items], dtype=np.int64)
     q_len = np.array([it.q_len for it in sched.items], dtype=np.int64)
@@ -131,12 +150,67 @@ def index_arrays(sched: Schedule, batch: AttentionBatch) -> dict[str, np.ndarray
         arrays.update(_merge_csr(q_start, q_len, sched.num_rows))
     else:
         arrays.update(item_out_start=q_start, row_indptr=None, row_parts=None)
+    _pad_rows(arrays, batch)
     return arrays
+
+
+def _tail_entries(a: dict[str, np.ndarray], batch: AttentionBatch) -> np.ndarray | None:
+    """[B]: for a decode batch (one query row per sequence, row i = sequence i), the entry
+    that holds row i's newest key (its own position) inside an item of row i alone -- where
+    an advance puts the next key. None if some row has none (then no advance)."""
+    num = len(batch.seqs)
+    if num == 0 or num != batch.num_tokens or any(s.q_len != 1 for s in batch.seqs):
+        return None
+    indptr = a["item_kv_indptr"]
+    item = np.repeat(np.arange(len(indptr) - 1), np.diff(indptr))  # [E]: entry -> item
+    row = a["item_q_start"][item]
+    last_pos = a["kv_pos"] + a["kv_hi"] - a["kv_lo"] - 1
+    own = (a["item_q_len"][item] == 1) & (last_pos == a["q_pos"][row])
+    own &= np.arange(len(item)) == indptr[item + 1] - 1  # the item's last entry
+    tail = np.full(num, -1, np.int64)
+    tail[row[own]] = np.nonzero(own)[0]
+    return tail if (tail >= 0).all() and own.sum() == num else None
+
+
+def advance_arrays(a: dict, tail: np.ndarray, new_slots: np.ndarray,
+                   chunk_size: int) -> tuple[dict, np.ndarray, list[str]]:
+    """The arrays of the next decode step: every row one position further, its new key at
+    `new_slots[i]` appended to entry tail[i] (or in a new entry after it when the key opens a
+    chunk). -> (arrays, new tail, names of the changed fields)."""
+    out = dict(a)
+    rows = len(tail)
+    out["q_pos"] = a["q_pos"].copy()
+    out["q_pos"][:rows] += 1
+    out["slots"] = a["slots"].copy()
+    out["slots"][:rows] = new_slots
+    chunk, slot = new_slots // chunk_size, new_slots % chunk_size
+    fresh = slot == 0
+    grow = ~fresh
+    assert (a["kv_hi"][tail[grow]] == slot[grow]).all() and (a["kv_chunk"][tail[grow]] == chunk[grow]).all(), \
+        "an advanced key must continue its row's newest entry"
+    out["kv_hi"] = a["kv_hi"].copy()
+    out["kv_hi"][tail[grow]] += 1
+    changed = ["q_pos", "slots", "kv_hi"]
+    if not fresh.any():
+        return out, tail, changed
+    at = tail[fresh] + 1  # insert before old entry `at`: after the row's tail entry
+    order = np.argsort(at, kind="stable")
+    values = {"kv_chunk": chunk[fresh], "kv_lo": np.zeros(len(at), np.int64),
+              "kv_hi": np.ones(len(at), np.int64), "kv_pos": out["q_pos"][:rows][fresh]}
+    for name in _ENTRY_FIELDS:
+        out[name] = np.insert(out[name], at[order], values[name][order])
+    indptr = a["item_kv_indptr"]
+    item_of = np.searchsorted(indptr, tail[fresh], side="right") - 1
+    out["item_kv_indptr"] = indptr + _csr(np.bincount(item_of, minlength=len(indptr) - 1))
+    sorted_at = np.sort(at)
+    new_tail = tail + np.searchsorted(sorted_at, tail, side="right")  # old entries shift
+    new_tail[fresh] += 1  # ...and a fresh row's newest key is its inserted entry
+    return out, new_tail, changed + ["kv_chunk", "kv_lo", "kv_pos", "item_kv_indptr"]
 
 
 def batch_key(batch: AttentionBatch) -> tuple:
     """Everything a schedule depends on: all of the batch but `slots`."""
-    return batch.seqs, batch.chunk_size, batch.pinned_node_ids
+    return batch.seqs, batch.chunk_size, batch.pinned_node_ids, batch.padded
 
 
 class PlanCache:
@@ -146,41 +220,70 @@ class PlanCache:
                  extend: Callable[[AttentionBatch, dict], dict] | None = None):
         self.device = torch.device(device)
         self.extend = extend  # (batch, host arrays) -> extra arrays (synced) and ints
+        self.uploader = Uploader(self.device)
+        self.generation = 0  # bumped when a device buffer moves
         self._ints: dict[str, int] = {}  # the extras that are ints
         self._extra_names: list[str] = []  # the extras that are arrays (synced)
         self._key: tuple | None = None
-        self._schedule: Schedule | None = None
-        self._host: dict[str, np.ndarray | None] = {}
-        self._dev: dict[str, torch.Tensor | None] = {}
+        self._tail: np.ndarray | None = None
+        self._host: dict[str, np.ndarray | None] = {}  # the arrays the device buffers hold
+        self._buf: dict[str, torch.Tensor] = {}  # per field: a buffer of some capacity
+        self._dev: dict[str, torch.Tensor | None] = {}  # per field: the used view of _buf
+
+    @property
+    def can_advance(self) -> bool:
+        return self._tail is not None
 
     def get(self, batch: AttentionBatch, make_schedule: Callable[[], Schedule]) -> DevicePlan:
-        key = batch_key(batch)
-        if key != self._key:
-            self._schedule = make_schedule()
-            arrays = index_arrays(self._schedule, batch)
-            extra = self.extend(batch, arrays) if self.extend else {}
-            self._ints = {n: v for n, v in extra.items() if isinstance(v, int)}
-            self._extra_names = [n for n in extra if n not in self._ints]
-            arrays.update((n, extra[n]) for n in self._extra_names)
-            for name, arr in arrays.items():
-                self._sync(name, arr)
-            self._key = key
-        self._sync("slots", batch.slots.numpy())
-        rows = sum(it.q_len for it in self._schedule.items)
+        if batch.advance:
+            arrays, self._tail, changed = advance_arrays(self._host, self._tail,
+                                                         batch.slots.numpy(), batch.chunk_size)
+            self._update(batch, arrays, changed)
+        elif batch_key(batch) != self._key:
+            arrays = index_arrays(make_schedule(), batch)
+            self._tail = _tail_entries(arrays, batch)
+            self._update(batch, arrays, list(arrays))
+            self._key = batch_key(batch)
+        else:
+            slots = batch.slots.numpy()
+            if batch.padded is not None:
+                slots = np.concatenate([slots, self._host["slots"][batch.num_tokens:]])
+            self._sync("slots", slots)
+        if batch.advance:
+            self._key = None  # the batch named no sequences: the next full batch rebuilds
+        self.uploader.fence()
         extra = {**self._ints, **{n: self._dev[n] for n in self._extra_names}}
-        return DevicePlan(self._schedule, num_out_rows=rows, extra=extra,
+        return DevicePlan(num_out_rows=int(self._host["item_q_len"].sum()),
+                          padded=batch.padded is not None, extra=extra,
                           **{f: self._dev[f] for f in _FIELDS})
 
+    def _update(self, batch: AttentionBatch, arrays: dict, changed: list[str]) -> None:
+        for name in changed:
+            self._sync(name, arrays[name])
+        for name in set(arrays) - set(changed):
+            self._host[name] = arrays[name]
+        if self.extend is not None:
+            extra = self.extend(batch, {**self._host, **{n: arrays[n] for n in arrays}})
+            self._ints = {n: v for n, v in extra.items() if isinstance(v, int)}
+            self._extra_names = [n for n in extra if n not in self._ints]
+            for name in self._extra_names:
+                self._sync(name, extra[name])
+
     def _sync(self, name: str, arr: np.ndarray | None) -> None:
-        """Upload `arr` only if it differs from the last upload of `name`; in place if possible."""
+        """Make the device view of `name` hold `arr`, uploading only if it changed."""
         old = self._host.get(name)
+        self._host[name] = arr
         if arr is None:
             self._dev[name] = None
-        elif old is None or old.shape != arr.shape:
-            dtype = torch.int64 if name == "slots" else torch.int32
-            self._dev[name] = torch.from_numpy(arr).to(self.device, dtype, copy=True)
-        elif not np.array_equal(old, arr):
-            self._dev[name].copy_(torch.from_numpy(arr))
-        else:
             return
-        self._host[name] = None if arr is None else arr.copy()
+        buf = self._buf.get(name)
+        if buf is None or buf.shape[0] < arr.shape[0] or buf.shape[1:] != arr.shape[1:]:
+            dtype = torch.int64 if name == "slots" else torch.int32
+            cap = max(16, 1 << (max(1, arr.shape[0]) - 1).bit_length())
+            buf = self._buf[name] = torch.empty((cap, *arr.shape[1:]), dtype=dtype, device=self.device)
+            self.generation += 1
+            old = None
+        view = buf[:arr.shape[0]]
+        if old is None or self._dev.get(name) is None or not np.array_equal(old, arr):
+            self.uploader.copy(view, arr)
+        self._dev[name] = view

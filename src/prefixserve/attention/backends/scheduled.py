@@ -1,10 +1,11 @@
 """The shared plan/run of the exact backends: a backend is a schedule (see `schedule.py`).
 
 plan(): schedule the batch and bring its index tensors up to date on `shape.device`
-(`plan.PlanCache`, plus the executor's extras). run(): write the new K/V, run every work item
-(one launch), merge the partials of each query row if the schedule needs it, in q's dtype.
-The ops come from an executor picked by device (`ops.kernels_for`: Triton kernels on CUDA,
-the PyTorch reference elsewhere); tests pass one explicitly.
+(`plan.PlanCache`, plus the executor's extras). run(): write the new K/V, run every work item,
+merge the partials of each query row if the schedule needs it, in q's dtype. The ops come
+from an executor picked by device (`ops.kernels_for`: Triton kernels on CUDA, the PyTorch
+reference elsewhere); tests pass one explicitly. Since every backend runs the same executor on
+a plan, a CUDA graph captured with one schedule replays correctly with any other.
 """
 
 from __future__ import annotations
@@ -28,12 +29,18 @@ class ScheduledBackend(AttentionBackend):
         self.cache = PlanCache(shape.device, self.kernels.plan_extra)
         self.current: DevicePlan | None = None
 
-    def plan(self, batch: AttentionBatch) -> None:
-        self.current = self.cache.get(batch, lambda: self.schedule(batch))
+    def make_schedule(self, batch: AttentionBatch) -> Schedule:
+        return self.schedule(batch)
 
-    def plan_schedule(self, batch: AttentionBatch, sched: Schedule) -> None:
-        """plan() with the schedule already computed (by `auto`)."""
-        self.current = self.cache.get(batch, lambda: sched)
+    def plan(self, batch: AttentionBatch) -> None:
+        self.current = self.cache.get(batch, lambda: self.make_schedule(batch))
+
+    @property
+    def generation(self) -> int:
+        return self.cache.generation + self.kernels.generation
+
+    def can_advance(self) -> bool:
+        return self.cache.can_advance
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

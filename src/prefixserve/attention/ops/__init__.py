@@ -5,6 +5,7 @@ A scheduled backend runs its plans through one executor, picked once by device i
 same function from the same plan; an executor has
 
     plan_extra(batch, arrays) -> extra plan arrays/ints (kept in `DevicePlan.extra`)
+    generation                -> bumped when buffers a CUDA graph captured move
     store_kv(k_cache, v_cache, k, v, slots)
     attend(q, k_cache, v_cache, plan, scale) -> o [T, Hq, D] in q's dtype
 """
@@ -18,6 +19,8 @@ from . import reference
 
 class ReferenceKernels:
     """The PyTorch ops: attend_items, then merge_partials if the schedule merges, then a cast."""
+
+    generation = 0  # no buffers of its own (see AttentionBackend.generation)
 
     def __init__(self, shape):
         self.shape = shape
@@ -36,6 +39,8 @@ class ReferenceKernels:
                                         p.num_out_rows)
         if p.needs_merge:
             o, _ = reference.merge_partials(o, lse, p.row_indptr, p.row_parts)
+        elif o.shape[0] < q.shape[0]:  # padding rows (a padded batch) attend to nothing
+            o = torch.cat([o, o.new_zeros((q.shape[0] - o.shape[0], *o.shape[1:]))])
         return o.to(q.dtype)
 
 
