@@ -33,6 +33,7 @@ pytest.importorskip("triton")
 from attn_trees import dense_attention, make_case  # noqa: E402
 
 from prefixserve.attention.backends.chunk import ChunkBackend  # noqa: E402
+from prefixserve.attention.base import PaddedRows  # noqa: E402
 from prefixserve.attention.backends.hydragen import HydragenBackend  # noqa: E402
 from prefixserve.attention.backends.paged import PagedBackend  # noqa: E402
 from prefixserve.attention.backends.relay import RelayBackend  # noqa: E402
@@ -171,6 +172,32 @@ def test_backends_on_triton_match_dense(seed, dtype, head_dim, group, chunk, pre
         assert ((o.double() - ref).abs() <= bound).all(), name
         flat = k_cache.view(-1, *k_cache.shape[2:]).cpu()
         assert torch.equal(flat[case.batch.slots], case.k.to(dtype)), name
+
+
+@pytest.mark.parametrize("seed,dtype,head_dim,group,chunk,prefill",
+                         [c for c in BACKEND_CASES if not c[-1]])  # graphs replay decode steps
+def test_padded_batches_on_triton_match_dense(seed, dtype, head_dim, group, chunk, prefill):
+    """A CUDA-graph batch (fixed grids, forced merge into reserved scratch): real rows as
+    unpadded, padding rows 0 and writing only the pad slot (in a chunk of its own)."""
+    case = tree_case(seed, dtype, head_dim, group, chunk, prefill)
+    ref, t = dense_attention(case), case.batch.num_tokens
+    vmax = max(v.double().abs().max() for _, v in case.seq_kv)
+    pad_slot = case.k_cache.shape[0] * chunk
+    batch = dataclasses.replace(case.batch, padded=PaddedRows(t + 5, pad_slot))
+    q, k, v = (torch.cat([x, torch.randn(5, *x.shape[1:]).to(x.dtype)]) for x in (case.q, case.k, case.v))
+    for name, cls in BACKENDS.items():
+        backend = cls(case.shape, kernels=tops.TritonKernels(case.shape, sms=3))
+        backend.plan(batch)
+        k_cache, v_cache = (torch.cat([c, torch.zeros_like(c[:1])]) for c in (case.k_cache, case.v_cache))
+        k_cache, v_cache = to_dev(k_cache, v_cache)
+        o = backend.run(*to_dev(q, k, v), k_cache, v_cache).cpu()
+        assert o.shape == q.shape and not o[t:].any(), name
+        bound = U[dtype] * ref.abs() + o_tol(dtype) * vmax
+        assert ((o[:t].double() - ref).abs() <= bound).all(), name
+        pad_chunk = k_cache[-1].cpu()  # [C, Hkv, D]: slot 0 holds the padding rows' keys
+        # (on a GPU they race: each element is some padding row's)
+        assert (pad_chunk[0][None] == k[t:].to(dtype)).any(0).all(), name
+        assert not pad_chunk[1:].any(), name
 
 
 def _random_items(rng: np.random.Generator, merge: bool):

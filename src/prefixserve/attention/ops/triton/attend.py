@@ -20,6 +20,8 @@ in an unused slot cannot leak in.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 import triton
@@ -65,15 +67,32 @@ def _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc, scale_log2,
 
 
 @triton.jit
-def _attend_kernel(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_pos, o, lse,
-                   stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+def _attend_kernel(q, k_cache, v_cache, q_pos, units, unit_count, kv_chunk, kv_lo, kv_hi, kv_pos,
+                   o, lse, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                    scale_log2, chunk_size,
                    HKV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    C_PAD: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
                    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
-    pid = tl.program_id(0)
-    u, h = pid // HKV, pid % HKV  # adjacent programs: the same unit's KV heads
+    # Persistent: program p takes work items p, p + P, p + 2P, ... of the unit_count[0] * HKV
+    # (unit, KV head) pairs; units are longest first, so each stride of P items is balanced.
+    num_work = tl.load(unit_count) * HKV
+    for w in range(tl.program_id(0), num_work, tl.num_programs(0)):
+        _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_pos, o, lse,
+                     w // HKV, w % HKV, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                     scale_log2, chunk_size, HKV, G, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, C_PAD,
+                     CAUSAL, WRITE_LSE, PRECISION, DOT_FP32)
+
+
+@triton.jit
+def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_pos, o, lse, u, h,
+                 stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                 scale_log2, chunk_size,
+                 HKV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 C_PAD: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+                 PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Unit u x KV head h: the tile walk described in the module docstring."""
     q_start = tl.load(units + u * 5)
     q_len = tl.load(units + u * 5 + 1)
     e0 = tl.load(units + u * 5 + 2)
@@ -140,11 +159,13 @@ def _attend_kernel(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv
         tl.store(lse + (out + row).to(tl.int64) * stride_lt + head, lse_row, mask=row_ok)
 
 
-def launch_units(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_pos, scale: float,
-                 o, lse, cfg: KernelConfig, causal: bool = True) -> None:
-    """Run every unit (`units` [U, 5] int32, see worklist) into o [*, Hq, D] (any float dtype)
-    and, unless lse is None, lse [*, Hq] fp32 at the units' out rows. causal=False promises
-    that every row sees every key of its units (decode), which drops the position mask."""
+def launch_units(q, k_cache, v_cache, q_pos, units, count, kv_chunk, kv_lo, kv_hi, kv_pos,
+                 scale: float, o, lse, cfg: KernelConfig, causal: bool, programs: int) -> None:
+    """Run the first count[0] units of `units` ([>= count, 5] int32, see worklist; count: [1]
+    int32 on the device, so a CUDA graph replays any number) on a persistent grid of
+    `programs` programs, into o [*, Hq, D] (any float dtype) and, unless lse is None, lse
+    [*, Hq] fp32 at the units' out rows. causal=False promises that every row sees every key
+    of its units (decode), which drops the position mask."""
     t, hq, d = q.shape
     n_chunks, chunk_size, hkv, d_cache = k_cache.shape
     assert d_cache == d and hq % hkv == 0 and v_cache.shape == k_cache.shape
@@ -152,15 +173,15 @@ def launch_units(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
     assert q.stride(-1) == 1 and o.stride(-1) == 1 and o.shape[1:] == q.shape[1:]
     assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype)
     assert units.dtype == torch.int32 and units.dim() == 2 and units.shape[1] == 5
-    for idx in (q_pos, kv_chunk, kv_lo, kv_hi, kv_pos):
+    for idx in (q_pos, count, kv_chunk, kv_lo, kv_hi, kv_pos):
         assert idx.dtype == torch.int32 and idx.device == q.device
     assert lse is None or (lse.dtype == torch.float32 and lse.shape == o.shape[:2])
     g = hq // hkv
     assert cfg.block_m >= g, "a KV head's G query heads must fit one tile"
-    if units.shape[0] == 0:
+    if programs == 0:
         return
-    _attend_kernel[(units.shape[0] * hkv,)](
-        q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_pos, o,
+    _attend_kernel[(programs,)](
+        q, k_cache, v_cache, q_pos, units, count, kv_chunk, kv_lo, kv_hi, kv_pos, o,
         o if lse is None else lse, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         0 if lse is None else lse.stride(0), scale * _LOG2E, chunk_size,
         HKV=hkv, G=g, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_M=cfg.block_m,
@@ -172,22 +193,45 @@ def launch_units(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def launch_worklist(q, k_cache, v_cache, q_pos, units: tuple, kv_chunk, kv_lo, kv_hi, kv_pos,
-                    scale: float, o, lse, configs: tuple, causal: tuple, side=None) -> None:
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One of a plan's two attend launches (narrow, wide)."""
+
+    units: torch.Tensor  # [>= U, 5] int32
+    count: torch.Tensor  # [1] int32 on the device: U
+    cfg: KernelConfig
+    causal: bool
+    programs: int  # persistent grid size; 0: nothing to run
+
+
+def grid_size(num_units: int, num_kv_heads: int, cfg: KernelConfig, sms: int,
+              fixed: bool) -> int:
+    """Programs of a persistent launch: `programs_per_sm` per SM, or fewer when there is less
+    work -- unless `fixed` (a CUDA graph replays the launch with other counts)."""
+    full = cfg.programs_per_sm * sms
+    return full if fixed else min(full, num_units * num_kv_heads)
+
+
+def launch_worklist(q, k_cache, v_cache, q_pos, launches: tuple[Launch, Launch], kv_chunk, kv_lo,
+                    kv_hi, kv_pos, scale: float, o, lse, side=None) -> None:
     """Both unit classes' launches (narrow, wide). With a side stream (CUDA) the wide launch
-    runs on it, concurrently with the narrow one (in practice only their tails overlap); the
-    current stream waits for it before returning (graph capture records the fork and join)."""
+    runs on it, concurrently with the narrow one; the current stream waits for it before
+    returning (graph capture records the fork and join)."""
     idx = (kv_chunk, kv_lo, kv_hi, kv_pos)
-    (narrow, wide), (c_narrow, c_wide), (k_narrow, k_wide) = units, configs, causal
-    fork = side is not None and narrow is not None and wide is not None
+
+    def go(x: Launch) -> None:
+        launch_units(q, k_cache, v_cache, q_pos, x.units, x.count, *idx, scale, o, lse, x.cfg,
+                     x.causal, x.programs)
+
+    narrow, wide = launches
+    fork = side is not None and narrow.programs and wide.programs
     if fork:
         side.wait_stream(torch.cuda.current_stream(q.device))
         with torch.cuda.stream(side):
-            launch_units(q, k_cache, v_cache, q_pos, wide, *idx, scale, o, lse, c_wide, k_wide)
-    elif wide is not None:
-        launch_units(q, k_cache, v_cache, q_pos, wide, *idx, scale, o, lse, c_wide, k_wide)
-    if narrow is not None:
-        launch_units(q, k_cache, v_cache, q_pos, narrow, *idx, scale, o, lse, c_narrow, k_narrow)
+            go(wide)
+    else:
+        go(wide)
+    go(narrow)
     if fork:
         torch.cuda.current_stream(q.device).wait_stream(side)
 
@@ -211,24 +255,24 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     host = [x.cpu().numpy() for x in (item_q_start, item_q_len, item_out_start, item_kv_indptr,
                                       q_pos, kv_pos, kv_lo, kv_hi)]
     hq, d = q.shape[1:]
-    g = hq // k_cache.shape[2]
+    hkv, g = k_cache.shape[2], hq // k_cache.shape[2]
+    sms = sms or num_sms(q.device)
     configs = configs or choose_configs(int(host[1].max(initial=0)) * g, d, q.element_size())
     wl = build_worklist(*host[:4], num_out_rows, None, None, configs, group=g,
-                        num_kv_heads=k_cache.shape[2], chunk_size=k_cache.shape[1],
-                        itemsize=q.element_size(), num_sms=sms or num_sms(q.device),
-                        positions=host[4:])
-    dev = lambda a: None if a is None or len(a) == 0 else torch.from_numpy(  # noqa: E731
-        a.astype(np.int32)).to(q.device)
-    units = (dev(wl.narrow), dev(wl.wide))
+                        num_kv_heads=hkv, chunk_size=k_cache.shape[1],
+                        itemsize=q.element_size(), num_sms=sms, positions=host[4:])
+    dev = lambda a: torch.from_numpy(np.asarray(a, np.int32)).to(q.device)  # noqa: E731
+    launches = tuple(Launch(dev(u), dev([len(u)]), cfg, causal,
+                            grid_size(len(u), hkv, cfg, sms, fixed=False))
+                     for u, cfg, causal in zip((wl.narrow, wl.wide), configs, wl.causal))
     o = torch.zeros((num_out_rows, hq, d), dtype=torch.float32, device=q.device)
     lse = torch.full((num_out_rows, hq), float("-inf"), dtype=torch.float32, device=q.device)
     idx = (kv_chunk, kv_lo, kv_hi, kv_pos)
     if wl.direct:
-        launch_worklist(q, k_cache, v_cache, q_pos, units, *idx, scale, o, lse, configs, wl.causal)
+        launch_worklist(q, k_cache, v_cache, q_pos, launches, *idx, scale, o, lse)
         return o, lse
     o_s = torch.empty((wl.num_partials, hq, d), dtype=torch.float32, device=q.device)
     lse_s = torch.empty((wl.num_partials, hq), dtype=torch.float32, device=q.device)
-    launch_worklist(q, k_cache, v_cache, q_pos, units, *idx, scale, o_s, lse_s, configs,
-                    wl.causal)
+    launch_worklist(q, k_cache, v_cache, q_pos, launches, *idx, scale, o_s, lse_s)
     merge_rows(o_s, lse_s, dev(wl.merge_indptr), dev(wl.merge_parts), o, lse)
     return o, lse

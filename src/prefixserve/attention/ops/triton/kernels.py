@@ -1,11 +1,16 @@
 """`TritonKernels`: how a backend runs a plan on the GPU (the twin of `ops.ReferenceKernels`).
 
 plan time (host, once per step, via `PlanCache(extend=...)`): the work list of the attend
-kernel (narrow and wide units, split-K merge CSR, which launches need a position mask; see
-`worklist`), uploaded lazily like the plan's own arrays.
-run time (per layer): store_kv; the narrow and wide attend launches (two streams); one
-merge launch when the schedule merges or an item was split -- which writes the output in q's
-dtype directly.
+kernel (narrow and wide units with their device counts, split-K merge CSR, which launches need
+a position mask; see `worklist`), uploaded lazily like the plan's own arrays.
+run time (per layer): store_kv; the narrow and wide attend launches (two streams, persistent
+grids); one merge launch when the schedule merges or an item was split -- which writes the
+output in q's dtype directly.
+
+A padded plan (a CUDA-graph decode step) fixes everything a captured launch bakes in: the
+launch shapes (the wide class at 64 rows), the grids (programs_per_sm x SMs, whatever the unit
+counts), always the merge (over all padded rows), and the fp32 scratch rows, taken from a
+buffer that only grows (`generation` counts its moves).
 """
 
 from __future__ import annotations
@@ -14,10 +19,13 @@ import numpy as np
 import torch
 
 from ...base import AttentionBatch, AttentionShape
-from .attend import launch_worklist, num_sms
+from .attend import Launch, grid_size, launch_worklist, num_sms
 from .merge import merge_rows
 from .store import store_kv
 from .worklist import NARROW_ROWS, KernelConfig, build_worklist, choose_configs
+
+_SHAPE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "programs_per_sm")
+_GRAPH_WIDE_ROWS = 64  # a padded plan's wide launch shape, whatever its items' rows
 
 
 class TritonKernels:
@@ -31,52 +39,71 @@ class TritonKernels:
         self.sms = sms or num_sms(shape.device)
         cuda = torch.device(shape.device).type == "cuda"
         self.side = torch.cuda.Stream(shape.device) if cuda else None  # the wide launch's
+        self.generation = 0  # moves of the padded plans' scratch buffers
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def plan_extra(self, batch: AttentionBatch,
                    arrays: dict[str, np.ndarray | None]) -> dict[str, np.ndarray | int | None]:
         """Work list of a plan's index arrays: device arrays `narrow`, `wide` (units),
-        `merge_indptr`, `merge_parts`; ints `num_partials`, `direct`, the causal flags and the
-        two launch shapes."""
-        s, q_len = self.shape, arrays["item_q_len"]
+        `unit_counts`, `merge_indptr`, `merge_parts`; ints `num_partials`, `direct`, the causal
+        flags, the two launch shapes and their grids."""
+        s, q_len, padded = self.shape, arrays["item_q_len"], batch.padded is not None
         wide_rows = q_len[q_len * self.group > NARROW_ROWS]
-        configs = self.configs or choose_configs(int(wide_rows.max(initial=0)) * self.group,
-                                                 s.head_dim, s.dtype.itemsize)
+        rows_hint = _GRAPH_WIDE_ROWS if padded else int(wide_rows.max(initial=0)) * self.group
+        configs = self.configs or choose_configs(rows_hint, s.head_dim, s.dtype.itemsize)
         wl = build_worklist(arrays["item_q_start"], q_len, arrays["item_out_start"],
                             arrays["item_kv_indptr"], arrays["q_pos"].size, arrays["row_indptr"],
                             arrays["row_parts"], configs, group=self.group,
                             num_kv_heads=s.num_kv_heads, chunk_size=batch.chunk_size,
                             itemsize=s.dtype.itemsize, num_sms=self.sms,
-                            positions=[arrays[f] for f in ("q_pos", "kv_pos", "kv_lo", "kv_hi")])
+                            positions=[arrays[f] for f in ("q_pos", "kv_pos", "kv_lo", "kv_hi")],
+                            force_merge=padded)
+        assert not (padded and any(wl.causal)), "a padded (graph) step must be a decode step"
+        if padded:
+            self._reserve_scratch(wl.num_partials)
         shapes = {f"{c}_{k}": getattr(cfg, k) for c, cfg in zip(("narrow", "wide"), configs)
-                  for k in ("block_m", "block_n", "num_warps", "num_stages")}
-        none_if_empty = lambda a: a if len(a) else None  # noqa: E731
-        return {"narrow": none_if_empty(wl.narrow), "wide": none_if_empty(wl.wide),
+                  for k in _SHAPE_KEYS}
+        grids = {f"{c}_programs": grid_size(len(u), s.num_kv_heads, cfg, self.sms, padded)
+                 for c, u, cfg in zip(("narrow", "wide"), (wl.narrow, wl.wide), configs)}
+        return {"narrow": wl.narrow, "wide": wl.wide,
+                "unit_counts": np.array([len(wl.narrow), len(wl.wide)], np.int64),
                 "merge_indptr": wl.merge_indptr, "merge_parts": wl.merge_parts,
                 "num_partials": wl.num_partials, "direct": int(wl.direct),
-                "causal_narrow": int(wl.causal[0]), "causal_wide": int(wl.causal[1]), **shapes}
+                "causal_narrow": int(wl.causal[0]), "causal_wide": int(wl.causal[1]),
+                **shapes, **grids}
 
     def store_kv(self, k_cache, v_cache, k, v, slots) -> None:
         store_kv(k_cache, v_cache, k, v, slots)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan,
                scale: float) -> torch.Tensor:
-        """o [T, Hq, D] in q's dtype for `plan` (a DevicePlan with this object's extras)."""
+        """o [R, Hq, D] in q's dtype for `plan` (a DevicePlan with this object's extras)."""
         x = plan.extra
+        launches = tuple(Launch(x[c], x["unit_counts"][i:i + 1], self.launch_config(x, c),
+                                bool(x[f"causal_{c}"]), x[f"{c}_programs"])
+                         for i, c in enumerate(("narrow", "wide")))
+        args = (q, k_cache, v_cache, plan.q_pos, launches, plan.kv_chunk, plan.kv_lo,
+                plan.kv_hi, plan.kv_pos, scale)
         out = torch.empty_like(q)
-        if x["narrow"] is None and x["wide"] is None:
-            return out
-        configs = tuple(KernelConfig(*(x[f"{c}_{k}"] for k in ("block_m", "block_n", "num_warps",
-                                                                "num_stages")))
-                        for c in ("narrow", "wide"))
-        args = (q, k_cache, v_cache, plan.q_pos, (x["narrow"], x["wide"]), plan.kv_chunk,
-                plan.kv_lo, plan.kv_hi, plan.kv_pos, scale)
-        causal = (bool(x["causal_narrow"]), bool(x["causal_wide"]))
         if x["direct"]:
-            launch_worklist(*args, out, None, configs, causal, self.side)
+            launch_worklist(*args, out, None, self.side)
             return out
-        hq, d = q.shape[1:]
-        o_s = torch.empty((x["num_partials"], hq, d), dtype=torch.float32, device=q.device)
-        lse_s = torch.empty((x["num_partials"], hq), dtype=torch.float32, device=q.device)
-        launch_worklist(*args, o_s, lse_s, configs, causal, self.side)
+        o_s, lse_s = self._scratch if plan.padded else self._new_scratch(x["num_partials"])
+        launch_worklist(*args, o_s, lse_s, self.side)
         merge_rows(o_s, lse_s, x["merge_indptr"], x["merge_parts"], out, None)
         return out
+
+    @staticmethod
+    def launch_config(extra: dict, cls: str) -> KernelConfig:
+        return KernelConfig(*(extra[f"{cls}_{k}"] for k in _SHAPE_KEYS))
+
+    def _new_scratch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 partials o [rows, Hq, D] and lse [rows, Hq]."""
+        s = self.shape
+        return (torch.empty((rows, s.num_heads, s.head_dim), dtype=torch.float32, device=s.device),
+                torch.empty((rows, s.num_heads), dtype=torch.float32, device=s.device))
+
+    def _reserve_scratch(self, rows: int) -> None:
+        if self._scratch is None or self._scratch[1].shape[0] < rows:
+            self._scratch = self._new_scratch(max(256, 1 << (rows - 1).bit_length()))
+            self.generation += 1

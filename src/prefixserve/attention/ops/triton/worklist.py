@@ -119,14 +119,17 @@ def _splits(q_len, num_entries, cfg: KernelConfig, group: int, num_kv_heads: int
 
 def build_worklist(q_start, q_len, out_start, kv_indptr, num_rows: int, row_indptr, row_parts,
                    configs: tuple[KernelConfig, KernelConfig], *, group: int, num_kv_heads: int,
-                   chunk_size: int, itemsize: int, num_sms: int, positions=None) -> WorkList:
+                   chunk_size: int, itemsize: int, num_sms: int, positions=None,
+                   force_merge: bool = False) -> WorkList:
     """Units and merge CSR of a plan (arrays as in `plan.index_arrays`).
 
     configs: (narrow, wide); an item is wide if q_len * G > NARROW_ROWS. Each class is split
     and balanced for its own launch. row_indptr/row_parts: the schedule's merge (final row ->
     partial rows), or None when every partial row is a final row (final rows are then
     out_start[i] + k, num_rows of them). positions: (q_pos, kv_pos, kv_lo, kv_hi), to find
-    the launches that need no position mask (decode); None: both masked.
+    the launches that need no position mask (decode); None: both masked. force_merge: never
+    `direct` (a CUDA graph always runs the merge: rows whose only partial is their own merge
+    one partial, and rows without one are written as zeros).
     """
     q_start, q_len, out_start, kv_indptr = (np.asarray(a, dtype=np.int64) for a in
                                             (q_start, q_len, out_start, kv_indptr))
@@ -138,15 +141,16 @@ def build_worklist(q_start, q_len, out_start, kv_indptr, num_rows: int, row_indp
         entries[cls], num_splits[cls] = _splits(q_len[cls], num_entries[cls], cfg, group,
                                                 num_kv_heads, next_pow2(chunk_size), itemsize,
                                                 num_sms)
-    split_any = bool((num_splits > 1).any())
-    base = _csr(num_splits * q_len)[:-1] if split_any else out_start
+    # scratch rows: the splits' own partial rows (also a no-merge schedule's, when forced)
+    scratch = bool((num_splits > 1).any()) or (force_merge and row_indptr is None)
+    base = _csr(num_splits * q_len)[:-1] if scratch else out_start
     units = [_units(q_start, q_len, kv_indptr, entries, num_splits, base,
                     max(1, cfg.block_m // group), cls) for cls, cfg in ((~wide, configs[0]),
                                                                        (wide, configs[1]))]
     causal = tuple(positions is None or needs_causal(u, *positions) for u in units)
-    if not split_any and row_indptr is None:
+    if not scratch and row_indptr is None:
         return WorkList(*units, num_rows, None, None, direct=True, causal=causal)
-    if not split_any:
+    if not scratch:
         return WorkList(*units, int(q_len.sum()), np.asarray(row_indptr, np.int64),
                         np.asarray(row_parts, np.int64), direct=False, causal=causal)
     return WorkList(*units, int((num_splits * q_len).sum()),
