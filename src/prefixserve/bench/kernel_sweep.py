@@ -1,0 +1,96 @@
+"""`prefixserve bench kernels --sweep`: launch shapes of the Triton attend kernel, and the split of
+the default run's time into its launches (store_kv, each attend launch, both, the merge).
+
+This code reaches into the Triton executor's internals (TritonKernels, KernelConfig, Launch,
+launch_units, launch_worklist, merge_rows) and follows the executor when that changes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernel_rows import Row, build, hydragen_grid, table3
+from .kernel_timing import timed
+
+# launch shapes tried per unit class: (block_m, block_n, num_warps, num_stages, programs_per_sm)
+SWEEP_NARROW = [(16, 64, 2, 2, 4), (16, 64, 2, 3, 4), (16, 128, 2, 2, 4), (16, 32, 2, 2, 4),
+                (16, 64, 4, 2, 4), (16, 64, 1, 2, 4), (16, 64, 2, 2, 2), (16, 64, 2, 2, 8)]
+SWEEP_WIDE = [(64, 64, 4, 2, 4), (64, 64, 4, 3, 4), (64, 32, 4, 2, 4), (128, 64, 8, 2, 4),
+              (64, 64, 4, 2, 2), (64, 64, 4, 2, 8)]
+
+
+def sweep(dtype: str, device: torch.device) -> list[dict]:
+    """Time launch shapes of each attend launch (narrow, wide) on a few telling rows, one
+    schedule each, and split the default's time into its launches."""
+    from ..attention.backends.hydragen import HydragenBackend
+    from ..attention.backends.paged import PagedBackend
+    from ..attention.ops.triton.kernels import TritonKernels
+    from ..attention.ops.triton.worklist import KernelConfig
+    t3, hy = table3(dtype), hydragen_grid(dtype)
+    picks = [(t3[8], PagedBackend, "narrow"), (t3[10], HydragenBackend, "both"),
+             (hy[10], HydragenBackend, "both"), (hy[7], HydragenBackend, "both"),
+             (hy[3], HydragenBackend, "wide")]
+    out = []
+    for w, cls, vary in picks:
+        row = build(w, device)
+        default = cls(row.shape, kernels=TritonKernels(row.shape))
+        default.plan(row.batch)
+        x = default.current.extra
+        base = [TritonKernels.launch_config(x, c) for c in ("narrow", "wide")]
+        res = {"label": w.label, "grid": w.grid, "schedule": cls.name, "configs": [],
+               "split_us": _split_times(default, row, device)}
+        tries = ([(c, 0) for c in SWEEP_NARROW] if vary in ("narrow", "both") else []) + (
+            [(c, 1) for c in SWEEP_WIDE] if vary in ("wide", "both") else [])
+        for c, which in tries:
+            cfgs = list(base)
+            cfgs[which] = KernelConfig(*c)
+            try:
+                be = cls(row.shape, kernels=TritonKernels(row.shape, configs=tuple(cfgs)))
+                be.plan(row.batch)
+                t = timed(lambda: be.run(row.q, row.k, row.v, row.k_cache, row.v_cache), device)
+                res["configs"].append({"class": ("narrow", "wide")[which], "config": c, "us": 1e6 * t})
+            except Exception as e:  # noqa: BLE001  (out of shared memory, ...): recorded
+                res["configs"].append({"class": ("narrow", "wide")[which], "config": c,
+                                       "error": str(e)[:160]})
+        out.append(res)
+        for cls_name in ("narrow", "wide"):
+            ok = [c for c in res["configs"] if c["class"] == cls_name and "us" in c]
+            if ok:
+                best = min(ok, key=lambda c: c["us"])
+                print(f"  sweep {w.label} {cls.name} {cls_name}: first {ok[0]['us']:.1f} us, best "
+                      f"{best['us']:.1f} us {best['config']}", flush=True)
+        print(f"  split {w.label}: {res['split_us']}", flush=True)
+        del row
+    return out
+
+
+def _split_times(be, row: Row, device: torch.device) -> dict:
+    """The default run's parts alone: store_kv, each attend launch, both (forked), the merge."""
+    from ..attention.ops.triton.attend import Launch, launch_units, launch_worklist
+    from ..attention.ops.triton.merge import merge_rows
+    p, x, kern = be.current, be.current.extra, be.kernels
+    launches = tuple(Launch(x[c], x["unit_counts"][i:i + 1], kern.launch_config(x, c),
+                            bool(x[f"causal_{c}"]), x[f"{c}_programs"])
+                     for i, c in enumerate(("narrow", "wide")))
+    hq, d = row.q.shape[1:]
+    rows = x["num_partials"]
+    o_s = torch.empty((rows, hq, d), dtype=torch.float32, device=device)
+    lse_s = torch.empty((rows, hq), dtype=torch.float32, device=device)
+    out = torch.empty_like(row.q)
+    idx = (p.kv_chunk, p.kv_lo, p.kv_hi, p.kv_pos)
+    times = {"store_kv": timed(lambda: kern.store_kv(row.k_cache, row.v_cache, row.k, row.v,
+                                                     p.slots), device)}
+    for name, la in zip(("narrow", "wide"), launches):
+        if la.programs:
+            times[name] = timed(lambda: launch_units(row.q, row.k_cache, row.v_cache, p.q_pos,
+                                                     la.units, la.count, *idx, row.shape.scale,
+                                                     o_s, lse_s, la.cfg, la.causal, la.programs),
+                                device)
+            times[name + "_units"] = int(la.units.shape[0])
+    times["both"] = timed(lambda: launch_worklist(row.q, row.k_cache, row.v_cache, p.q_pos,
+                                                  launches, *idx, row.shape.scale, o_s, lse_s,
+                                                  kern.side), device)
+    if not x["direct"]:
+        times["merge"] = timed(lambda: merge_rows(o_s, lse_s, x["merge_indptr"],
+                                                  x["merge_parts"], out, None), device)
+    return {k: v if k.endswith("units") else round(1e6 * v, 2) for k, v in times.items()}
