@@ -1,7 +1,9 @@
 """Building blocks of the Llama family, written to match HuggingFace transformers op for op.
 
 Exactness against transformers is the product's promise, so each block mirrors the reference
-computation order (RMSNorm in fp32 then cast, cos/sin from an fp32 outer product, rotate_half).
+computation order (RMSNorm in fp32 then cast, cos/sin from an fp32 outer product, rotate_half):
+the arithmetic lives in `fused`, whose CPU path is that order and whose CUDA kernels keep its
+rounding points.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import math
 import torch
 from torch import nn
 
+from . import fused
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
@@ -18,11 +22,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, H]
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> [T, H]."""
+        return fused.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor,
+                    residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: [T, H] -> (norm(x + residual), x + residual): the residual add, fused."""
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -56,7 +63,8 @@ def _yarn_inv_freq(base: float, dim: int, s: dict, max_pos: int) -> tuple[torch.
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for positions; variants: default, linear, llama3, yarn (HF semantics)."""
+    """Rotary embedding of q and k by position; inv_freq variants: default, linear, llama3,
+    yarn (HF semantics)."""
 
     def __init__(self, head_dim: int, base: float, scaling: dict, max_pos: int):
         super().__init__()
@@ -74,20 +82,15 @@ class RotaryEmbedding(nn.Module):
                              "default, linear, llama3, yarn")
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] int -> cos, sin: [T, 1, head_dim] in `dtype`."""
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(dtype)
-        sin = (emb.sin() * self.attention_scaling).to(dtype)
-        return cos[:, None, :], sin[:, None, :]
+    def _apply(self, fn, recurse=True):
+        """Moves follow the model; a cast to its dtype does not: inv_freq stays fp32, as in
+        transformers (a bf16 inv_freq would put the angles of far positions off)."""
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, 1, D]."""
-    return x * cos + _rotate_half(x) * sin
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Rotates q: [T, Hq, D] and k: [T, Hkv, D] (views of the qkv projection) in place;
+        positions: [T] int."""
+        fused.apply_rotary_(q, k, positions, self.inv_freq, self.attention_scaling)

@@ -15,14 +15,15 @@ from torch import nn
 
 from ..attention.base import AttentionBackend
 from ..config import ModelConfig
-from .layers import RMSNorm, RotaryEmbedding, apply_rotary
+from . import fused
+from .layers import RMSNorm, RotaryEmbedding
 from .parallel import TPGroup
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, rotary: RotaryEmbedding):
         super().__init__()
-        self.tp, self.head_dim = tp, cfg.head_dim
+        self.tp, self.head_dim, self.rotary = tp, cfg.head_dim, rotary
         self.num_heads = tp.part(cfg.num_heads, "num_heads")
         self.num_kv_heads = tp.part(cfg.num_kv_heads, "num_kv_heads")
         q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
@@ -30,12 +31,13 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, attn: AttentionBackend, k_cache, v_cache):
-        """x: [T, hidden]; cos, sin: [T, 1, D]; k_cache, v_cache: [num_chunks, C, Hkv, D]."""
+    def forward(self, x, positions, attn: AttentionBackend, k_cache, v_cache):
+        """x: [T, hidden]; positions: [T]; k_cache, v_cache: [num_chunks, C, Hkv, D]."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # views of one [T, q + 2 kv] tensor
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        self.rotary(positions, q, k)
         o = attn.run(q, k, v.view(t, self.num_kv_heads, self.head_dim), k_cache, v_cache)
         return self.tp.all_reduce(self.o_proj(o.reshape(t, -1)))
 
@@ -48,8 +50,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(nn.functional.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(fused.silu_mul(self.gate_up_proj(x))))
 
 
 class VocabEmbedding(nn.Embedding):
@@ -69,16 +70,28 @@ class VocabEmbedding(nn.Embedding):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    """One layer on the residual stream h, carried as a pair (x, residual) with h = x + residual
+    so that each add is fused into the norm after it (vLLM's pattern):
+
+        h_mid = h + attn(norm(h));  returns (mlp(norm(h_mid)), h_mid), the next layer's pair
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, rotary: RotaryEmbedding):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, tp)
+        self.self_attn = Attention(cfg, tp, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x, cos, sin, attn, k_cache, v_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, attn, k_cache, v_cache):
+        """x, residual: [T, hidden]; residual None (the first layer): h = x, the embeddings."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm.add_forward(x, residual)
+        x = self.self_attn(x, positions, attn, k_cache, v_cache)
+        x, residual = self.post_attention_layernorm.add_forward(x, residual)
+        return self.mlp(x), residual
 
 
 # HF parameter name suffix -> (our suffix, shard index within the fused weight)
@@ -93,21 +106,20 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.embed_tokens = VocabEmbedding(cfg, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling),
+                                 cfg.max_position_embeddings)  # one, shared by every layer
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, rotary) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling),
-                                      cfg.max_position_embeddings)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, self.embed_tokens.num_embeddings, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 k_caches: torch.Tensor, v_caches: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; k_caches: [L, num_chunks, C, Hkv, D] -> hidden [T, hidden]."""
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        x, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn, k_caches[i], v_caches[i])
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, attn, k_caches[i], v_caches[i])
+        return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, hidden] -> fp32 logits [B, vocab] (gathered from every rank)."""
