@@ -33,6 +33,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.leaf: Node | None = None  # the held path's leaf while running
         self.cached_prompt_tokens: int | None = None  # prompt tokens found in the tree at first admission
+        self.tree_order: tuple | None = None  # the scheduler's cached sort key (see _tree_order)
         # sample i of a seeded request draws with seed + i (vLLM's convention)
         self.sample_seed = None if self.params.seed is None else self.params.seed + index
         self.detok = IncrementalDetokenizer(tokenizer, self.prompt_token_ids,
@@ -46,6 +47,15 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def tokens_from(self, start: int, end: int | None = None) -> list[int]:
+        """token_ids[start:end] without building token_ids (a decode step asks for one token
+        of a sequence whose prompt may be thousands long)."""
+        n = len(self.prompt_token_ids)
+        end = self.num_tokens if end is None else end
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[:max(0, end - n)]
 
     @property
     def finished(self) -> bool:

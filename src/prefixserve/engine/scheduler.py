@@ -66,8 +66,16 @@ class Scheduler:
             if budget > 0 and (g := self._grant(seq, budget, claimed)):
                 granted.append(g)
                 budget -= g.num_tokens
-        granted.sort(key=lambda g: [n.id for n in self.tree.path(g.seq.leaf)])
+        granted.sort(key=lambda g: self._tree_order(g.seq))
         return SchedulerOutput(granted, preempted)
+
+    def _tree_order(self, seq: Sequence) -> tuple[int, ...]:
+        """The node ids of the sequence's path (depth-first order), cached while its leaf and the
+        tree's topology are unchanged (a decode step changes neither)."""
+        key = (self.tree.version, seq.leaf)
+        if seq.tree_order is None or seq.tree_order[0] != key:
+            seq.tree_order = (key, tuple(n.id for n in self.tree.path(seq.leaf)))
+        return seq.tree_order[1]
 
     def _admit_waiting(self) -> None:
         """Admit in arrival order while the step's token budget has room. All admissions come
@@ -121,7 +129,7 @@ class Scheduler:
         for seq in list(self.running):
             while seq.status is Status.RUNNING and seq.leaf.end < seq.num_tokens:
                 try:
-                    seq.leaf = self.tree.extend(seq.leaf, seq.token_ids[seq.leaf.end:])
+                    seq.leaf = self.tree.extend(seq.leaf, seq.tokens_from(seq.leaf.end))
                 except OutOfChunks:
                     preempted.append(self._preempt_last())
         return preempted

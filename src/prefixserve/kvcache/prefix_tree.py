@@ -92,6 +92,7 @@ class PrefixTree:
         self.nodes: dict[int, Node] = {}
         self._holders: Counter[Node] = Counter()
         self._next_id, self._clock = 1, 0
+        self.version = 0  # bumped when a node is added, split, trimmed or removed (not extended)
 
     # ---- paths ---------------------------------------------------------------------------
     def path(self, leaf: Node) -> list[Node]:
@@ -103,17 +104,28 @@ class PrefixTree:
         return out[::-1]
 
     def frontier(self, leaf: Node) -> tuple[int, Node | None]:
-        """(number of leading path tokens computed, the first node not fully computed)."""
+        """(number of leading path tokens computed, the first node not fully computed).
+        O(1) once the leaf has computed tokens: its ancestors are then complete (invariant)."""
+        if leaf.num_computed:
+            done = leaf.num_computed == len(leaf.tokens)
+            return (leaf.end, None) if done else (leaf.pos_start + leaf.num_computed, leaf)
         for node in self.path(leaf):
             if node.num_computed < len(node.tokens):
                 return node.pos_start + node.num_computed, node
         return leaf.end, None
 
     def mark_computed(self, leaf: Node, upto: int) -> None:
-        """Path tokens at positions < upto now have their K/V written."""
-        for node in self.path(leaf):
+        """Path tokens at positions < upto now have their K/V written. Tokens are computed in
+        path order, so a node with computed tokens has complete ancestors: the walk up from the
+        leaf stops at the first node that already had what it gets."""
+        node = leaf
+        while node is not self.root:
             if node.pos_start < upto:
-                node.num_computed = max(node.num_computed, min(len(node.tokens), upto - node.pos_start))
+                new = min(len(node.tokens), upto - node.pos_start)
+                if node.num_computed >= new:
+                    break
+                node.num_computed = new
+            node = node.parent
 
     # ---- admission and growth ----------------------------------------------------------------
     def insert(self, tokens: list[int], match_limit: int) -> tuple[Node, int]:
@@ -214,6 +226,7 @@ class PrefixTree:
     def _new_node(self, parent, tokens, offset, chunks, pos_start, listed, register) -> Node:
         node = Node(self._next_id, parent, tokens, offset, chunks, pos_start)
         self._next_id += 1
+        self.version += 1
         self.nodes[node.id] = node
         node.listed = listed
         if register:
@@ -244,6 +257,7 @@ class PrefixTree:
         return True
 
     def _remove(self, node: Node) -> None:
+        self.version += 1
         for c in node.owned_chunks:
             self.pool.free(c)
         parent = node.parent
@@ -255,6 +269,7 @@ class PrefixTree:
         del self.nodes[node.id]
 
     def _truncate(self, node: Node, n: int) -> None:
+        self.version += 1
         keep = _num_chunks(node.offset, n, self.C)
         for c in node.chunks[keep:]:
             self.pool.free(c)
@@ -324,6 +339,9 @@ class PrefixTree:
         assert node.tokens and 0 <= node.num_computed <= len(node.tokens)
         assert len(node.chunks) == _num_chunks(node.offset, len(node.tokens), self.C)
         assert node.pos_start == node.parent.end
+        parent = node.parent
+        assert not node.num_computed or parent is self.root or parent.num_computed == len(parent.tokens), \
+            f"{node} has computed tokens below the incomplete {parent}"
         assert node in node.parent.children
         if node.offset:
             assert node.parent.tail_child is node and node.parent.chunks[-1] == node.chunks[0]
