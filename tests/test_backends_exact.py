@@ -39,3 +39,4 @@ def test_greedy_identical_across_backends(workloads, references, backend, pinned
         outs = run_checked(llm, prompts, params)
         for out, ref in zip(outs, references[name]):
             assert [c.token_ids for c in out.outputs] == [ref, ref], (name, backend)
+    assert llm.engine.runner.advanced_steps > 0  # decode steps advanced the last plan

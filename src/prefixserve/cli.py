@@ -28,6 +28,8 @@ _HELP = {
     "attention_backend": "attention schedule; auto picks per step by a bytes/FLOPs cost model",
     "seed": "seed for weights (dummy) and unseeded sampling",
     "tensor_parallel_size": "number of GPUs (or CPU processes) to split the model over",
+    "enforce_eager": "CUDA: launch every kernel of a decode step (no CUDA graphs; for debugging "
+                     "and comparison)",
     "chunk_size": "tokens per KV chunk (vLLM's block size)",
     "kv_cache_memory": "bytes for the KV cache (default: 1 GiB on CPU, 90%% of free GPU memory)",
     "enable_prefix_caching": "find and reuse shared prefixes (off = every request its own copy)",

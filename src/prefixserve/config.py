@@ -106,6 +106,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False  # CUDA: run decode steps without CUDA graphs
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
 

@@ -20,11 +20,12 @@ import socket
 import torch
 import torch.distributed as dist
 
-from ..attention.base import AttentionShape, create_backend
+from ..attention.base import AttentionBatch, AttentionShape, PaddedRows, create_backend
 from ..config import EngineConfig
 from ..kvcache.chunk_pool import ChunkPool
 from ..model import loader
 from ..model.parallel import TPGroup
+from .cuda_graphs import DecodeGraphs
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +46,33 @@ class RankState:
     pool: ChunkPool
     backend: object
 
+    graphs: DecodeGraphs | None = None  # CUDA, one rank, unless enforce_eager
+
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch, sample_rows: list[int]):
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                sample_rows: list[int]):
         """One step's forward; -> fp32 logits [len(sample_rows), vocab] or None."""
+        rows = self.graphs.rows_for(batch) if self.graphs else None
+        if rows is not None:
+            batch = dataclasses.replace(batch, padded=PaddedRows(rows, self.pool.pad_slot))
         self.backend.plan(batch)
-        hidden = self.model(ids.to(self.device), positions.to(self.device), self.backend,
-                            self.pool.k, self.pool.v)
+        run = lambda i, p: self.model(i, p, self.backend, self.pool.k, self.pool.v)  # noqa: E731
+        if rows is None:
+            hidden = run(self._upload(ids), self._upload(positions))
+        else:
+            hidden = self.graphs.run(rows, self._upload(ids), self._upload(positions),
+                                     self.backend.generation, run)
         if not sample_rows:
             return None
-        return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        if sample_rows == list(range(len(sample_rows))):  # a decode step: the first rows
+            return self.model.compute_logits(hidden[:len(sample_rows)])
+        return self.model.compute_logits(hidden[self._upload(torch.tensor(sample_rows))])
+
+    def _upload(self, x: torch.Tensor) -> torch.Tensor:
+        """Host -> device without waiting for the device (a pageable copy would sync)."""
+        if self.device.type != "cuda":
+            return x
+        return x.pin_memory().to(self.device, non_blocking=True)
 
 
 def build_rank(cfg: EngineConfig, tp: TPGroup) -> RankState:
@@ -70,14 +89,20 @@ def build_rank(cfg: EngineConfig, tp: TPGroup) -> RankState:
     memory = cfg.cache.kv_cache_memory
     if memory is None:
         memory = CPU_KV_CACHE_MEMORY if not cuda else int(0.9 * torch.cuda.mem_get_info(device)[0])
-    num_chunks = torch.tensor([memory // per_chunk])
+    num_chunks = torch.tensor([memory // per_chunk - 1])  # the pool adds its pad chunk
     if tp.size > 1:  # every rank must hold the same chunk ids
         num_chunks = num_chunks.to(device)
         dist.all_reduce(num_chunks, op=dist.ReduceOp.MIN)
     pool = ChunkPool(m.num_layers, int(num_chunks), cfg.cache.chunk_size, kv_heads, m.head_dim, dtype, device)
     shape = AttentionShape(tp.part(m.num_heads, "num_heads"), kv_heads, m.head_dim, m.head_dim ** -0.5,
                            dtype, device)
-    return RankState(tp, device, dtype, src, model, pool, create_backend(cfg.attention_backend, shape))
+    state = RankState(tp, device, dtype, src, model, pool, create_backend(cfg.attention_backend, shape))
+    if cuda and not cfg.enforce_eager:
+        if tp.size == 1:
+            state.graphs = DecodeGraphs(device, cfg.scheduler.max_num_seqs)
+        else:
+            log.info("tensor parallel: decode steps run eagerly (CUDA graphs are single-GPU for now)")
+    return state
 
 
 class Workers:

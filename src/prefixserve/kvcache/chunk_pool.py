@@ -2,7 +2,8 @@
 
 A chunk is vLLM's block and ChunkAttention's chunk: `chunk_size` consecutive token slots of
 K and V in every layer. The pool knows nothing of sequences or prefixes; the prefix tree owns
-every allocated chunk.
+every allocated chunk. One more chunk, never handed out, follows the `num_chunks` usable ones:
+the padding rows of a CUDA-graph step write their K/V to its first slot (`pad_slot`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ class ChunkPool:
                  head_dim: int, dtype: torch.dtype, device: torch.device):
         if num_chunks < 1:
             raise ValueError(f"the KV cache holds {num_chunks} chunks; give it more memory")
-        shape = (num_layers, num_chunks, chunk_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, N, C, Hkv, D]
+        shape = (num_layers, num_chunks + 1, chunk_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, N + 1, C, Hkv, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_chunks, self.chunk_size = num_chunks, chunk_size
+        self.pad_slot = num_chunks * chunk_size
         self._free = list(range(num_chunks - 1, -1, -1))  # a stack: lowest id handed out first
 
     @staticmethod
