@@ -7,7 +7,9 @@ on the real ones), and the whole batch submitted at once and run to completion. 
 steps that computed no prompt token (Hydragen's decode throughput), ratios to `paged-nocache`
 and to the `no-attention` ceiling, prompt tokens computed, peak KV tokens held (physical) vs the
 running sequences' lengths (logical), and for greedy workloads whether every output is token
-for token the reference config's (`paged-nocache` when run).
+for token the reference config's (`paged-nocache` when run). With `--profile` (CUDA) each
+decode step is split into GPU time (events around the forward) and host time (the step's wall
+time minus the wait for the GPU): `decode_profile`, medians over the decode steps.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def register(sub) -> None:
     p.add_argument("--configs", type=R.config_list, default=list(R.CONFIGS),
                    help=f"comma-separated, run in this order (default: all: {','.join(R.CONFIGS)})")
     p.add_argument("--no-warmup", action="store_true", help="skip the per-config warm-up")
+    p.add_argument("--profile", action="store_true",
+                   help="CUDA: split each decode step into host and GPU time (adds one sync per step)")
     g = p.add_argument_group("workload (lists sweep: one JSON entry per config and value)")
     g.add_argument("--system-prompt-len", type=R.int_list, default=[1024], help="sharegpt, synthetic: list")
     g.add_argument("--num-prompts", type=int, default=32, help="sharegpt, synthetic")
@@ -76,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("workload %s %s: %d sequences, %d prompt tokens, %d output tokens", wl.name, point,
                  wl.num_sequences, wl.prompt_tokens, wl.output_tokens)
         entries += compare_configs(args.configs, engine_kw, wl, point, progress=not args.no_progress,
-                                   warmup=not args.no_warmup)
+                                   warmup=not args.no_warmup, profile=args.profile)
     doc = _document(args, hw, model, engine_kw, entries)
     doc["load_average"] = {"start": load_start, "end": R.load_average()}
     path = R.result_path(args.out_dir, "throughput", args.workload, model, hw, args.tag)
@@ -90,11 +94,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def compare_configs(configs: list[str], engine_kw: dict, wl: W.Workload, point: dict,
-                    progress: bool = True, warmup: bool = True) -> list[dict]:
+                    progress: bool = True, warmup: bool = True, profile: bool = False) -> list[dict]:
     """Run `wl` under each config in turn; entries with ratios and the exactness verdict."""
     entries, outputs = [], {}
     for name in configs:
-        entry, outputs[name] = run_config(name, {**engine_kw, **R.CONFIGS[name]}, wl, progress, warmup)
+        entry, outputs[name] = run_config(name, {**engine_kw, **R.CONFIGS[name]}, wl, progress,
+                                          warmup, profile)
         entries.append({"config": name, **point, **entry})
     _add_comparisons(entries, outputs, wl.greedy)
     return entries
@@ -118,7 +123,7 @@ def _add_comparisons(entries: list[dict], outputs: dict[str, list], greedy: bool
 
 # ---- one config ------------------------------------------------------------------------------
 def run_config(name: str, kwargs: dict, wl: W.Workload, progress: bool = True,
-               warmup: bool = True) -> tuple[dict, list[list[int]]]:
+               warmup: bool = True, profile: bool = False) -> tuple[dict, list[list[int]]]:
     """Build an engine for `kwargs`, run `wl` through it; -> (metrics, output ids per sequence)."""
     from ..llm import LLM
     t0 = time.perf_counter()
@@ -127,6 +132,7 @@ def run_config(name: str, kwargs: dict, wl: W.Workload, progress: bool = True,
     try:
         if warmup:
             _warmup(llm, wl)
+        llm.engine.runner.profile = profile
         metrics, outputs = _timed_run(llm.engine, wl, progress, desc=name)
     finally:
         llm.close()
@@ -148,6 +154,7 @@ class _Clock:
     peak_logical: int = 0
     cpu_s: float = 0.0  # this process's CPU time: on a shared machine, unlike wall time, not inflated by others
     choices: Counter = dataclasses.field(default_factory=Counter)
+    profile: list = dataclasses.field(default_factory=list)  # decode steps: (rows, step, wait, device)
 
 
 def _timed_run(engine, wl: W.Workload, progress: bool, desc: str) -> tuple[dict, list[list[int]]]:
@@ -174,6 +181,7 @@ def _timed_run(engine, wl: W.Workload, progress: bool, desc: str) -> tuple[dict,
 def _step(engine, clock: _Clock, seen: dict[str, int], done: dict) -> int:
     """One engine step, timed and classified; -> tokens sampled in it."""
     computed0 = engine.computed_prompt_tokens
+    engine.runner.timing = None
     t = time.perf_counter()
     outs = engine.step()
     _synchronize()
@@ -189,6 +197,8 @@ def _step(engine, clock: _Clock, seen: dict[str, int], done: dict) -> int:
     else:
         clock.decode_s, clock.decode_steps = clock.decode_s + dt, clock.decode_steps + 1
         clock.decode_tokens += sampled
+        if (tm := engine.runner.timing) is not None:
+            clock.profile.append((tm.rows, dt, tm.wait_s, tm.device_s))
     stats = engine.kv_cache_stats()
     clock.peak_in_use = max(clock.peak_in_use, stats.in_use_tokens)
     clock.peak_logical = max(clock.peak_logical, stats.logical_tokens)
@@ -222,7 +232,21 @@ def _metrics(wl: W.Workload, c: _Clock, elapsed: float, generated: int, before, 
         "kv_capacity_tokens": after.capacity_tokens,
         "preemptions": engine.scheduler.num_preemptions - preempt0,
         "attention_choices": dict(c.choices) or None,
+        "decode_profile": _profile_summary(c.profile),
     }
+
+
+def _profile_summary(steps: list[tuple[int, float, float, float]]) -> dict | None:
+    """Medians over profiled decode steps: wall time, host time (wall - wait) and GPU time."""
+    if not steps:
+        return None
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    step = med([s for _, s, _, _ in steps])
+    host = med([s - w for _, s, w, _ in steps])
+    return {"steps": len(steps), "rows_max": max(r for r, *_ in steps),
+            "step_ms": round(1e3 * step, 3), "host_ms": round(1e3 * host, 3),
+            "device_ms": round(1e3 * med([d for *_, d in steps]), 3),
+            "host_fraction": round(med([(s - w) / s for _, s, w, _ in steps]), 4)}
 
 
 def _warmup(llm, wl: W.Workload) -> None:
