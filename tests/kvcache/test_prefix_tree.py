@@ -183,3 +183,27 @@ def test_random_streams_keep_the_contract(ops, chunk_size, caching):
         tree.unpin(p)
     tree.check_integrity()
     assert tree.chunk_counts()["in_use"] == 0
+
+
+def test_version_counts_topology_changes_not_in_place_growth():
+    """The decode fast paths (scheduler order, advanced plans) rely on: extending a private
+    leaf in place, even into a new chunk, keeps the version; a new node or a split bumps it."""
+    tree = make_tree()
+    a, _ = tree.insert([1, 2, 3, 4, 5], 4)
+    computed(tree, a)
+    v = tree.version
+    assert tree.extend(a, [6, 7, 8, 9]) is a and len(a.chunks) == 3 and tree.version == v
+    tree.insert([1, 2, 7], 2)  # splits a after [1, 2] and adds a child
+    assert tree.version > v
+    tree.check_integrity()
+
+
+def test_frontier_shortcut_agrees_with_the_path_walk():
+    tree = make_tree()
+    a, _ = tree.insert(list(range(10)), 9)
+    tree.mark_computed(a, 6)
+    b, matched = tree.insert(list(range(6)) + [50, 51], 7)  # splits a at 6: b's parent computed
+    assert matched == 6 and tree.frontier(b) == (6, b) and tree.frontier(a) == (6, a)
+    tree.mark_computed(b, 7)
+    assert tree.frontier(b) == (7, b) and b.num_computed == 1
+    tree.check_integrity()

@@ -34,6 +34,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool) -> None:
         """tokenizer: a Hugging Face tokenizer (anything with `decode(ids, skip_special_tokens=)`)."""
         self.tokenizer = tokenizer
+        self._decode_ids = _decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.text = ""
         # Only the window is kept: the prompt's tail, then output ids from prefix_offset on.
@@ -58,7 +59,17 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
+
+
+def _decoder(tokenizer: Any):
+    """`tokenizer.decode`, or the Rust tokenizer's own decode where that is all it does (a fast
+    tokenizer without clean-up of spaces): the Python wrapper costs ~4x the decode itself, and
+    a decode step calls this twice per sequence."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.decode
+    return backend.decode
 
 
 def with_decoded_tokens(tokenizer: Any, logprobs: dict[int, Logprob]) -> dict[int, Logprob]:

@@ -134,6 +134,11 @@ class LLMEngine:
         self.tree.unpin(self._tokenize(prompt)[1])
 
     # ---- state ------------------------------------------------------------------------------
+    def _track_peak(self) -> None:
+        """O(1): every allocated chunk is in use or cached."""
+        physical = (self.pool.num_chunks - self.pool.num_free) * self.pool.chunk_size
+        self.peak_physical_tokens = max(self.peak_physical_tokens, physical)
+
     def kv_cache_stats(self) -> KVCacheStats:
         C, counts = self.pool.chunk_size, self.tree.chunk_counts()
         physical = (counts["in_use"] + counts["cached"]) * C
@@ -167,7 +172,7 @@ class LLMEngine:
                 i = next(rows)
                 self._append(seq, sampled.token_ids[i], sampled.logprobs[i])
                 touched[seq.request.request_id] = seq.request
-        self.kv_cache_stats()  # tracks the peak
+        self._track_peak()
         outputs = [req.output() for req in touched.values()]
         for out in outputs:
             if out.finished:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import NamedTuple
 
 from ..config import SchedulerConfig
 from ..kvcache.chunk_pool import OutOfChunks
@@ -26,8 +27,7 @@ from ..kvcache.prefix_tree import PrefixTree
 from .request import Sequence, Status
 
 
-@dataclasses.dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):  # a tuple: built for every running sequence, every step
     seq: Sequence
     start: int  # first position computed this step (the frontier)
     num_tokens: int
@@ -50,6 +50,8 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.prefix_hit_tokens = self.prompt_tokens = self.num_preemptions = 0
+        self._last_sig: tuple | None = None  # (tree version, leaves) of the last sorted grant
+        self._last_perm: list[int] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -66,8 +68,16 @@ class Scheduler:
             if budget > 0 and (g := self._grant(seq, budget, claimed)):
                 granted.append(g)
                 budget -= g.num_tokens
-        granted.sort(key=lambda g: self._tree_order(g.seq))
-        return SchedulerOutput(granted, preempted)
+        return SchedulerOutput(self._in_tree_order(granted), preempted)
+
+    def _in_tree_order(self, granted: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Depth-first order. The same leaves in an unchanged tree (every decode step after
+        the first) sort the same way: the last permutation is reused."""
+        sig = (self.tree.version, tuple(id(g.seq.leaf) for g in granted))
+        if sig != self._last_sig:
+            self._last_perm = sorted(range(len(granted)), key=lambda i: self._tree_order(granted[i].seq))
+            self._last_sig = sig
+        return [granted[i] for i in self._last_perm]
 
     def _tree_order(self, seq: Sequence) -> tuple[int, ...]:
         """The node ids of the sequence's path (depth-first order), cached while its leaf and the
@@ -80,6 +90,8 @@ class Scheduler:
     def _admit_waiting(self) -> None:
         """Admit in arrival order while the step's token budget has room. All admissions come
         before any grant: an admission may split a node, and claims name nodes."""
+        if not self.waiting:
+            return
         demand = sum(s.num_tokens - self.tree.frontier(s.leaf)[0] for s in self.running)
         while self.waiting and len(self.running) < self.cfg.max_num_seqs and demand < self.cfg.max_num_batched_tokens:
             seq = self.waiting[0]

@@ -150,7 +150,8 @@ class PrefixTree:
             self._move_holder(leaf, child)
             return child
         need = _num_chunks(leaf.offset, len(leaf.tokens) + len(tokens), self.C) - len(leaf.chunks)
-        leaf.chunks.extend(self._alloc_many(need))
+        if need:
+            leaf.chunks.extend(self._alloc_many(need))
         leaf.tokens.extend(tokens)
         return leaf
 
