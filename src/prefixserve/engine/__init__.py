@@ -6,5 +6,8 @@
   the model runner and the engine's postprocess; never kept past the step.
 - The attention plan: device tensors owned by the attention backend, built by `plan()` from the
   `AttentionBatch` the model runner derives from the tree; layers only `run()`.
-- The chunk pool's K/V tensors are owned by the pool; the prefix tree owns every allocated chunk.
+- The chunk pool's K/V tensors are owned by the pool; the prefix tree owns every allocated chunk
+  (all but the pool's pad chunk, which the padding rows of a CUDA-graph step write).
+- CUDA graphs (cuda_graphs.py): owned by each rank's `RankState`; they capture the plan's buffers
+  and stay valid while the backend's `generation` is unchanged.
 """
