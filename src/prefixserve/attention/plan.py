@@ -239,6 +239,7 @@ class PlanCache:
             arrays, self._tail, changed = advance_arrays(self._host, self._tail,
                                                          batch.slots.numpy(), batch.chunk_size)
             self._update(batch, arrays, changed)
+            self._key = None  # the batch named no sequences: the next full batch rebuilds
         elif batch_key(batch) != self._key:
             arrays = index_arrays(make_schedule(), batch)
             self._tail = _tail_entries(arrays, batch)
@@ -249,8 +250,6 @@ class PlanCache:
             if batch.padded is not None:
                 slots = np.concatenate([slots, self._host["slots"][batch.num_tokens:]])
             self._sync("slots", slots)
-        if batch.advance:
-            self._key = None  # the batch named no sequences: the next full batch rebuilds
         self.uploader.fence()
         extra = {**self._ints, **{n: self._dev[n] for n in self._extra_names}}
         return DevicePlan(num_out_rows=int(self._host["item_q_len"].sum()),
@@ -263,7 +262,7 @@ class PlanCache:
         for name in set(arrays) - set(changed):
             self._host[name] = arrays[name]
         if self.extend is not None:
-            extra = self.extend(batch, {**self._host, **{n: arrays[n] for n in arrays}})
+            extra = self.extend(batch, self._host)  # which now holds every array of `arrays`
             self._ints = {n: v for n, v in extra.items() if isinstance(v, int)}
             self._extra_names = [n for n in extra if n not in self._ints]
             for name in self._extra_names:

@@ -142,7 +142,7 @@ class LLMEngine:
     def kv_cache_stats(self) -> KVCacheStats:
         C, counts = self.pool.chunk_size, self.tree.chunk_counts()
         physical = (counts["in_use"] + counts["cached"]) * C
-        self.peak_physical_tokens = max(self.peak_physical_tokens, physical)
+        self._track_peak()
         pinned = sum(len(n.tokens) for n in self.tree.iter_nodes() if n.pins)
         return KVCacheStats(
             capacity_tokens=self.pool.num_chunks * C, physical_tokens=physical,

@@ -33,7 +33,6 @@ class Sequence:
         self.finish_reason: str | None = None
         self.leaf: Node | None = None  # the held path's leaf while running
         self.cached_prompt_tokens: int | None = None  # prompt tokens found in the tree at first admission
-        self.tree_order: tuple | None = None  # the scheduler's cached sort key (see _tree_order)
         # sample i of a seeded request draws with seed + i (vLLM's convention)
         self.sample_seed = None if self.params.seed is None else self.params.seed + index
         self.detok = IncrementalDetokenizer(tokenizer, self.prompt_token_ids,

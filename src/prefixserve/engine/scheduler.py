@@ -71,21 +71,15 @@ class Scheduler:
         return SchedulerOutput(self._in_tree_order(granted), preempted)
 
     def _in_tree_order(self, granted: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        """Depth-first order. The same leaves in an unchanged tree (every decode step after
-        the first) sort the same way: the last permutation is reused."""
+        """Depth-first order (by the node ids of each path). The same leaves in an unchanged
+        tree (every decode step after the first) sort the same way: the last permutation is
+        reused."""
         sig = (self.tree.version, tuple(id(g.seq.leaf) for g in granted))
         if sig != self._last_sig:
-            self._last_perm = sorted(range(len(granted)), key=lambda i: self._tree_order(granted[i].seq))
+            keys = [[n.id for n in self.tree.path(g.seq.leaf)] for g in granted]
+            self._last_perm = sorted(range(len(granted)), key=keys.__getitem__)
             self._last_sig = sig
         return [granted[i] for i in self._last_perm]
-
-    def _tree_order(self, seq: Sequence) -> tuple[int, ...]:
-        """The node ids of the sequence's path (depth-first order), cached while its leaf and the
-        tree's topology are unchanged (a decode step changes neither)."""
-        key = (self.tree.version, seq.leaf)
-        if seq.tree_order is None or seq.tree_order[0] != key:
-            seq.tree_order = (key, tuple(n.id for n in self.tree.path(seq.leaf)))
-        return seq.tree_order[1]
 
     def _admit_waiting(self) -> None:
         """Admit in arrival order while the step's token budget has room. All admissions come
