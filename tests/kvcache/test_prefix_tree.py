@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from prefixserve.kvcache.chunk_pool import ChunkPool, OutOfChunks
-from prefixserve.kvcache.prefix_tree import PrefixTree
+from prefixserve.kvcache.prefix_tree import PENDING, PrefixTree
 
 
 def make_tree(num_chunks=16, chunk_size=4, caching=True) -> PrefixTree:
@@ -206,4 +206,25 @@ def test_frontier_shortcut_agrees_with_the_path_walk():
     assert matched == 6 and tree.frontier(b) == (6, b) and tree.frontier(a) == (6, a)
     tree.mark_computed(b, 7)
     assert tree.frontier(b) == (7, b) and b.num_computed == 1
+    tree.check_integrity()
+
+
+def test_pending_tokens_match_nothing_until_resolved():
+    """Overlapped scheduling puts a sampled token in the tree before its value is known."""
+    tree = make_tree()
+    prompt, _ = tree.insert([1, 2, 3, 4, 5], 4)
+    assert tree.insert([1, 2, 3, 4, 5], 5)[0] is prompt  # a second sample holds the same leaf
+    computed(tree, prompt)
+    a = tree.extend(prompt, [PENDING])  # a fork whose first token is pending: not listed
+    assert a is not prompt and not a.listed and PENDING not in prompt.index
+    tree.check_integrity()
+    tree.resolve(a, 5, 9)
+    assert a.listed and prompt.index[9] is a and a.tokens == [9]
+    a = tree.extend(a, [PENDING])  # in place: the first token is real, the listing stands
+    assert a.tokens == [9, PENDING]
+    b, matched = tree.insert([1, 2, 3, 4, 5, 9, 7, 8], 7)  # matches up to the pending token
+    assert matched == 6 and a.tokens == [PENDING] and not a.listed and a.parent.tokens == [9]
+    tree.check_integrity()
+    tree.resolve(a, 6, 7)  # the same token as b's first: b keeps the listing
+    assert not a.listed and b.parent is a.parent and a.parent.index == {7: b}
     tree.check_integrity()

@@ -17,6 +17,11 @@ least-recently-used when a chunk is needed; with caching off it is freed at once
 Matching is automatic and at token granularity. Tokens are matched whether computed or not
 (in-batch sharing: a request admitted beside another with the same prefix waits for it rather
 than computing the prefix again); the scheduler derives what is computed from `num_computed`.
+
+Pending tokens. A token sampled on the device but not yet read by the host (overlapped
+scheduling) is held as `PENDING` (only ever a path's last token) and set by `resolve` once
+read. PENDING matches no real token, and a node that starts with it is not listed in its
+parent's index until resolved.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from collections import Counter
 from typing import Iterator
 
 from .chunk_pool import ChunkPool, OutOfChunks
+
+PENDING = -1  # a token whose value is still on the device (never a real token id)
 
 
 class Node:
@@ -155,6 +162,15 @@ class PrefixTree:
         leaf.tokens.extend(tokens)
         return leaf
 
+    def resolve(self, leaf: Node, pos: int, token: int) -> None:
+        """The PENDING token at path position `pos` (in `leaf`, the path's last) is `token`."""
+        j = pos - leaf.pos_start
+        assert leaf.tokens[j] == PENDING, (leaf, pos)
+        leaf.tokens[j] = token
+        if j == 0 and token not in leaf.parent.index:
+            leaf.parent.index[token] = leaf
+            leaf.listed = True
+
     def release(self, leaf: Node) -> None:
         """A holder of `leaf` is gone (finished, aborted, preempted)."""
         self._holders[leaf] -= 1
@@ -207,8 +223,8 @@ class PrefixTree:
         node.tokens, node.chunks, node.offset = node.tokens[k:], node.chunks[cut // C:], cut % C
         node.pos_start += k
         node.num_computed = max(0, node.num_computed - k)
-        node.parent, node.listed = up, True
-        up.children, up.index = [node], {node.tokens[0]: node}
+        node.parent, node.listed = up, node.tokens[0] != PENDING
+        up.children, up.index = [node], {node.tokens[0]: node} if node.listed else {}
         up.tail_child = node if node.offset else None
         return up
 
@@ -219,7 +235,7 @@ class PrefixTree:
         chunks = [parent.chunks[-1]] if tail else []
         chunks += self._alloc_many(_num_chunks(offset, len(tokens), self.C) - len(chunks))
         node = self._new_node(parent, list(tokens), offset, chunks, parent.end,
-                              listed=tokens[0] not in parent.index, register=True)
+                              listed=tokens[0] != PENDING and tokens[0] not in parent.index, register=True)
         if tail:
             parent.tail_child = node
         return node
@@ -313,8 +329,13 @@ class PrefixTree:
 
     def chunk_counts(self) -> dict[str, int]:
         """Chunks by state: in use (referenced or pinned), cached, free."""
-        used = sum(len(n.owned_chunks) for n in self.nodes.values() if n.ref or n.pins)
-        cached = sum(len(n.owned_chunks) for n in self.nodes.values() if not (n.ref or n.pins))
+        used = cached = 0
+        for n in self.nodes.values():  # one pass, no list slicing: benchmarks call this every step
+            owned = len(n.chunks) - (n.offset > 0)
+            if n.ref or n.pins:
+                used += owned
+            else:
+                cached += owned
         return {"in_use": used, "cached": cached, "free": self.pool.num_free}
 
     def check_integrity(self) -> None:
