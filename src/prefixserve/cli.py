@@ -35,6 +35,8 @@ _HELP = {
     "enable_prefix_caching": "find and reuse shared prefixes (off = every request its own copy)",
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "token budget of one step (prefill chunks + decode tokens)",
+    "overlap_schedule": "schedule and launch each step before reading the last one's tokens, "
+                        "hiding the host's work behind the device's",
 }
 
 

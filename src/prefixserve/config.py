@@ -89,6 +89,7 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    overlap_schedule: bool = True  # schedule step t+1 while step t runs (engine.py)
 
     def __post_init__(self):
         _positive("max_num_seqs", self.max_num_seqs)

@@ -1,5 +1,5 @@
-"""CUDA graphs of decode steps: the buckets (anywhere), and graph replay against eager execution
-(on a GPU: run with a CUDA build of torch; the CPU CI has none, and there the engine never
+"""CUDA graphs of decode steps: the buckets (anywhere), and graph replay against eager execution,
+overlapped or not (on a GPU: run with a CUDA build of torch; the CPU CI has none, and there the engine never
 captures). The GPU check uses a small Llama with random weights in fp32: graphs and eager run
 the same kernels on differently padded batches, so their outputs may differ only by the
 order of fp32 sums in the attention merge, far below any greedy margin of a random model."""
@@ -31,16 +31,18 @@ def test_buckets_cover_every_batch_with_little_padding(max_rows):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("backend", ["paged", "hydragen", "chunk", "auto", "no-attention"])
 def test_graphs_replay_what_eager_computes(tmp_path, backend):
+    """Eager one step at a time, graphs one step at a time, graphs overlapped (the default)."""
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     prompts = [[5 + i for i in range(300)] + [700 + j, 800 + j] for j in range(3)]
     params = SamplingParams(temperature=0, n=3, max_tokens=40, ignore_eos=True)
     outs = {}
-    for eager in (True, False):
+    for eager, overlap in ((True, False), (False, False), (False, True)):
         llm = LLM(model=str(tmp_path), load_format="dummy", dtype="float32", device="cuda",
-                  attention_backend=backend, enforce_eager=eager, kv_cache_memory=64 << 20)
-        outs[eager] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+                  attention_backend=backend, enforce_eager=eager, overlap_schedule=overlap,
+                  kv_cache_memory=64 << 20)
+        outs[eager, overlap] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
         graphs = llm.engine.runner.rank.graphs
         assert (graphs is None) == eager and (eager or graphs.graphs)  # decode steps were captured
         assert llm.engine.runner.advanced_steps > 0
         llm.close()
-    assert outs[False] == outs[True]
+    assert outs[False, False] == outs[True, False] == outs[False, True]

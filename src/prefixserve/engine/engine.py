@@ -1,7 +1,21 @@
-"""The engine: requests in, outputs out; `step()` is schedule -> execute -> postprocess."""
+"""The engine: requests in, outputs out; `step()` is schedule -> launch -> collect.
+
+Overlapped scheduling (`overlap_schedule`, on by default; SGLang's overlap scheduler, vLLM's
+async scheduling). Step t+1 is scheduled and launched before step t's tokens are read, so
+the host's bookkeeping runs while the device computes:
+
+    host:    | schedule t+1 | launch t+1 | read t, stops, outputs | schedule t+2 | launch t+2 | ...
+    device:  ... step t ...][........... step t+1 ...........................][ step t+2 ...
+
+Each sequence's token from step t is PENDING meanwhile (request.py): step t+1 takes its value
+on the device, and a sequence that step t stopped has its step t+1 token dropped. Requests
+with penalties need the values of their tokens on the host, and tensor-parallel workers get
+their inputs from the host: while any is running, steps run one at a time.
+"""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -15,9 +29,9 @@ from ..model import loader
 from ..model.parallel import TPGroup, check_divides
 from ..sampling_params import SamplingParams
 from .detokenizer import with_decoded_tokens
-from .model_runner import ModelRunner
-from .request import Request, RequestOutput, Sequence, Status
-from .sampler import Sampler, SampleOutput
+from .model_runner import Launched, ModelRunner
+from .request import PENDING, Request, RequestOutput, Sequence, Status
+from .sampler import Sampler, has_penalty
 from .scheduler import Scheduler, SchedulerOutput
 from .stops import check_stop
 from .workers import Workers, build_rank
@@ -70,6 +84,8 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.runner = ModelRunner(rank, self.tree, Sampler(self.eos_token_ids), self.workers)
         self.requests: dict[str, Request] = {}
+        self._inflight: collections.deque[Launched] = collections.deque()
+        self._penalized: set[str] = set()  # running requests with penalties (they need token values)
         self._seq_ids = itertools.count()
         self.computed_prompt_tokens = 0
         self.peak_physical_tokens = 0
@@ -82,12 +98,19 @@ class LLMEngine:
 
     # ---- the heartbeat ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        overlap = self._can_overlap()
+        outputs = [] if overlap else self._collect_all(keep=0)
         sched = self.scheduler.schedule()
-        sampled = self.runner.execute(sched) if sched.seqs else None
-        return self._postprocess(sched, sampled)
+        if sched.seqs:
+            self._inflight.append(self._launch(sched))
+        outputs += self._collect_all(keep=1 if overlap and sched.seqs else 0)
+        return outputs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def _can_overlap(self) -> bool:
+        return self.cfg.scheduler.overlap_schedule and self.workers is None and not self._penalized
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -104,6 +127,8 @@ class LLMEngine:
         text, ids = self._tokenize(prompt)
         params = self._validate(ids, params, prefill_only)
         req = Request(request_id, text, ids, params, prefill_only)
+        if has_penalty(params):
+            self._penalized.add(request_id)
         for i in range(1 if prefill_only else params.n):
             seq = Sequence(next(self._seq_ids), req, i, self.tokenizer)
             req.seqs.append(seq)
@@ -113,6 +138,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
+        self._penalized.discard(request_id)
         for seq in req.seqs if req else ():
             if not seq.finished:
                 self.scheduler.finish(seq, "abort")
@@ -161,29 +187,50 @@ class LLMEngine:
             assert seq.leaf is None
 
     # ---- internals --------------------------------------------------------------------------
-    def _postprocess(self, sched: SchedulerOutput, sampled: SampleOutput | None) -> list[RequestOutput]:
-        touched: dict[str, Request] = {}
-        rows = iter(range(len(sampled.token_ids))) if sampled else iter(())
+    def _launch(self, sched: SchedulerOutput) -> Launched:
+        """Queue the step; its K/V counts as computed from now on (later steps queue behind it),
+        and each sampled row's token is PENDING until collected."""
+        step = self.runner.launch(sched)
         for g in sched.seqs:
             seq = g.seq
             self.tree.mark_computed(seq.leaf, g.start + g.num_tokens)
             self.computed_prompt_tokens += max(0, min(g.start + g.num_tokens, len(seq.prompt_token_ids)) - g.start)
             if g.sample and not seq.request.prefill_only:
-                i = next(rows)
-                self._append(seq, sampled.token_ids[i], sampled.logprobs[i])
-                touched[seq.request.request_id] = seq.request
+                seq.output_token_ids.append(PENDING)
+                seq.pending += 1
         self._track_peak()
+        return step
+
+    def _collect_all(self, keep: int) -> list[RequestOutput]:
+        """Read the launched steps' tokens, oldest first, until `keep` remain in flight."""
+        outputs = []
+        while len(self._inflight) > keep:
+            outputs += self._collect(self._inflight.popleft())
+        return outputs
+
+    def _collect(self, step: Launched) -> list[RequestOutput]:
+        sampled = self.runner.collect(step)
+        touched: dict[str, Request] = {}
+        for i, seq in enumerate(step.rows):
+            if seq.request.prefill_only or seq.finished:  # stopped since: this token is dropped
+                continue
+            token = sampled.token_ids[i]
+            pos = seq.resolve_pending(token)
+            if seq.leaf is not None and seq.leaf.end > pos:
+                self.tree.resolve(seq.leaf, pos, token)
+            self._append(seq, token, sampled.logprobs[i])
+            touched[seq.request.request_id] = seq.request
         outputs = [req.output() for req in touched.values()]
         for out in outputs:
             if out.finished:
                 self.requests.pop(out.request_id, None)
+                self._penalized.discard(out.request_id)
         return outputs
 
     def _append(self, seq: Sequence, token: int, logprobs) -> None:
         req = seq.request
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        seq.output_token_ids.append(token)
         if seq.logprobs is not None:
             seq.logprobs.append(with_decoded_tokens(self.tokenizer, logprobs) if self.tokenizer else logprobs)
         delta = seq.detok.append(token) if seq.detok else ""

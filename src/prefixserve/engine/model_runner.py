@@ -7,6 +7,10 @@ parallelism the same inputs are broadcast to the other ranks before the forward.
 A decode step of the same sequences as the last step, in a tree of unchanged topology, is
 sent as an *advanced* batch (`AttentionBatch.advance`): the new keys' slots only, O(1) per
 sequence, and the backend moves its last plan one token on instead of rebuilding it.
+
+`launch` queues a step on the device and returns at once; `collect` reads its sampled tokens.
+A step may be launched before the last one is collected (overlapped scheduling): the tokens
+still PENDING in its inputs are then taken, on the device, from the last step's samples.
 """
 
 from __future__ import annotations
@@ -17,51 +21,97 @@ import time
 import torch
 
 from ..attention.base import AttentionBatch, Segment, SeqQueries
-from ..kvcache.prefix_tree import PrefixTree
-from .sampler import Sampler, SampleOutput
+from ..kvcache.prefix_tree import PENDING, PrefixTree
+from .request import Sequence
+from .sampler import DeviceSample, Sampler, SampleOutput
 from .scheduler import SchedulerOutput
 from .workers import RankState, Workers
 
 
 @dataclasses.dataclass(frozen=True)
 class StepTiming:
-    """A profiled CUDA step: the forward's GPU time (events around it) and how long the host
-    then sat waiting for it; the rest of the step's wall time is host work."""
+    """A profiled CUDA step, from events around its forward and sampling: its GPU time, how
+    long the GPU sat idle before it (host work not hidden behind the previous step; None for
+    the first step), and how long the host waited to read its tokens."""
 
     rows: int  # query rows of the step
     device_s: float
+    idle_s: float | None
     wait_s: float
+
+
+@dataclasses.dataclass
+class Launched:
+    """A step queued on the device."""
+
+    sched: SchedulerOutput
+    rows: list[Sequence]  # the sequences of the sampled rows, in row order
+    sampled: DeviceSample | None  # None: the step samples nothing
+    num_rows: int  # query rows
+    events: tuple | None = None  # profiling: CUDA (start, end) events
 
 
 class ModelRunner:
     def __init__(self, rank: RankState, tree: PrefixTree, sampler: Sampler, workers: Workers | None):
         self.rank, self.tree, self.sampler, self.workers = rank, tree, sampler, workers
         self._last: tuple | None = None  # (sequence ids, tree version) of the last decode step
+        self._prev: tuple[tuple[int, ...], torch.Tensor] | None = None  # last launch: (seq ids of its rows, sampled [B])
+        self._prev_end = None  # profiling: the last launch's end event
         self.advanced_steps = 0  # decode steps sent as advanced batches (for tests and profiles)
-        self.profile = False  # CUDA: time each step's forward into `timing` (adds one sync)
+        self.profile = False  # CUDA: time each step into `timing` (events; no extra sync)
         self.timing: StepTiming | None = None
 
-    def execute(self, sched: SchedulerOutput) -> SampleOutput | None:
-        inputs = self.prepare(sched)
-        if self.workers is not None:
-            self.workers.broadcast(inputs)
+    def launch(self, sched: SchedulerOutput) -> Launched:
+        ids, positions, batch, sample_rows = self.prepare(sched)
+        if self.workers is not None:  # their ranks take the ids as sent: none may be pending
+            self.workers.broadcast((ids, positions, batch, sample_rows))
+        events = None
         if self.profile and self.rank.device.type == "cuda":
-            logits = self._profiled(inputs)
-        else:
-            logits = self.rank.forward(*inputs)
-        if logits is None:
-            return None
-        return self.sampler.sample(logits, [g.seq for g in sched.seqs if g.sample])
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+        logits = self.rank.forward(self._fill_pending(ids, sched), positions, batch, sample_rows)
+        rows = [g.seq for g in sched.seqs if g.sample]
+        sampled = None if logits is None else self.sampler.sample_on_device(logits, rows)
+        if events:
+            events[1].record()
+        self._prev = None if sampled is None else (tuple(s.seq_id for s in rows), sampled.token_ids)
+        return Launched(sched, rows, sampled, len(ids), events)
 
-    def _profiled(self, inputs) -> torch.Tensor | None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        logits = self.rank.forward(*inputs)
-        end.record()
+    def collect(self, step: Launched) -> SampleOutput | None:
+        """The step's sampled tokens on the host (waits for that step only)."""
+        if step.sampled is None:
+            return None
         t = time.perf_counter()
-        end.synchronize()
-        self.timing = StepTiming(len(inputs[0]), start.elapsed_time(end) / 1e3, time.perf_counter() - t)
-        return logits
+        out = step.sampled.result()
+        wait = time.perf_counter() - t
+        if step.events:
+            start, end = step.events
+            end.synchronize()  # recorded just after the copies `result` waited for
+            idle = self._prev_end.elapsed_time(start) / 1e3 if self._prev_end is not None else None
+            self.timing = StepTiming(step.num_rows, start.elapsed_time(end) / 1e3, idle, wait)
+            self._prev_end = end
+        return out
+
+    def _fill_pending(self, ids: torch.Tensor, sched: SchedulerOutput) -> torch.Tensor:
+        """ids [T] (host) -> the step's input ids, each PENDING one replaced on the device by
+        the last launch's sample of its sequence. Only a grant's last token can be pending."""
+        at, seq_ids = [], []
+        q = 0
+        for g in sched.seqs:
+            q += g.num_tokens
+            if g.seq.pending and g.start + g.num_tokens == g.seq.num_tokens:
+                at.append(q - 1)
+                seq_ids.append(g.seq.seq_id)
+        if not at:
+            return ids
+        prev_ids, prev_tokens = self._prev
+        if len(at) == len(ids) and tuple(seq_ids) == prev_ids:  # a decode step of the same rows
+            return prev_tokens
+        row = {sid: r for r, sid in enumerate(prev_ids)}
+        out = self.rank.upload(ids.masked_fill(ids == PENDING, 0))
+        src = torch.tensor([row[sid] for sid in seq_ids])
+        out[self.rank.upload(torch.tensor(at))] = prev_tokens[self.rank.upload(src)]
+        return out
 
     def prepare(self, sched: SchedulerOutput):
         """-> input ids [T], positions [T], the AttentionBatch, rows whose logits are sampled."""

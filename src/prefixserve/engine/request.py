@@ -3,6 +3,11 @@
 A request with `n` samples owns n `Sequence`s; each is scheduled on its own and holds one
 root-to-leaf path of the prefix tree while running. Lengths are named by meaning:
 `num_tokens` (prompt + generated, all in the tree while running), `num_prompt_tokens`.
+
+With overlapped scheduling a token is sampled on the device one step before the host reads
+it; until then it stands in `output_token_ids` (and in the tree) as `PENDING`:
+
+    output_token_ids:  [ read ................. | PENDING x pending ]   (pending <= 2)
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import dataclasses
 import enum
 import time
 
-from ..kvcache.prefix_tree import Node
+from ..kvcache.prefix_tree import PENDING, Node
 from ..sampling_params import Logprob, SamplingParams
 from .detokenizer import IncrementalDetokenizer
 
@@ -28,6 +33,7 @@ class Sequence:
         self.params: SamplingParams = request.params
         self.prompt_token_ids: list[int] = request.prompt_token_ids
         self.output_token_ids: list[int] = []
+        self.pending = 0  # trailing PENDING entries of output_token_ids
         self.logprobs: list[dict[int, Logprob]] | None = [] if self.params.logprobs is not None else None
         self.status = Status.WAITING
         self.finish_reason: str | None = None
@@ -59,6 +65,30 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def at_max_tokens(self) -> bool:
+        """Its output (pending tokens included) is as long as allowed: it takes no more steps."""
+        return self.params.max_tokens is not None and len(self.output_token_ids) >= self.params.max_tokens
+
+    @property
+    def read_token_ids(self) -> list[int]:
+        """The output tokens read so far (a copy, without the pending ones)."""
+        return self.output_token_ids[:len(self.output_token_ids) - self.pending]
+
+    def resolve_pending(self, token: int) -> int:
+        """The oldest pending token is `token`; -> its position in the sequence."""
+        i = len(self.output_token_ids) - self.pending
+        assert self.pending and self.output_token_ids[i] == PENDING, (self.pending, i)
+        self.output_token_ids[i] = token
+        self.pending -= 1
+        return len(self.prompt_token_ids) + i
+
+    def drop_pending(self) -> None:
+        """Finished: tokens sampled after the last one read are not part of the output."""
+        if self.pending:
+            del self.output_token_ids[-self.pending:]
+            self.pending = 0
 
 
 @dataclasses.dataclass
@@ -96,7 +126,7 @@ class Request:
         return all(s.finished for s in self.seqs)
 
     def output(self) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason,
+        outs = [CompletionOutput(s.index, s.text, s.read_token_ids, s.finish_reason,
                                  s.logprobs) for s in self.seqs]
         cached = min((s.cached_prompt_tokens or 0 for s in self.seqs), default=0)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,

@@ -43,7 +43,7 @@ class SamplingRow(Protocol):
     def prompt_token_ids(self) -> Sequence[int]: ...
 
     @property
-    def output_token_ids(self) -> Sequence[int]: ...
+    def output_token_ids(self) -> Sequence[int]: ...  # may end in pending tokens (counted, not read)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,19 +52,49 @@ class SampleOutput:
     logprobs: list[dict[int, Logprob] | None]  # [B]; None where the row's params.logprobs is None
 
 
+class DeviceSample:
+    """A step's sampled tokens while still on the device. `token_ids` can feed the next step
+    at once; `result()` waits for this step's copies to the host only, not for work queued
+    after them (a blocking `.tolist()` would wait for that too)."""
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: "_LogprobTensors | None"):
+        self.token_ids = token_ids  # [B] int64
+        self._logprobs = logprobs
+        tensors = [token_ids, *(logprobs.tensors if logprobs else ())]
+        self._event = None
+        if token_ids.device.type == "cuda":
+            tensors = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                       for t in tensors]
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._host = tensors
+
+    def result(self) -> SampleOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        token_ids, *lp = (t.tolist() for t in self._host)
+        logprobs = self._logprobs.entries(lp) if self._logprobs else [None] * len(token_ids)
+        return SampleOutput(token_ids, logprobs)
+
+
 class Sampler:
     def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
         """logits: [B, V] fp32, row b belongs to rows[b]."""
+        return self.sample_on_device(logits, rows).result()
+
+    def sample_on_device(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceSample:
+        """As `sample`, without waiting for the device. Needs the values of the rows' output
+        tokens only where a row has a penalty (none may then be pending)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
         assert logits.dtype == torch.float32, logits.dtype
         processed = logits.clone()
         self._mask_early_stops(processed, rows)
         _apply_penalties(processed, rows)
         token_ids = _choose(processed, rows)  # [B] int64
-        return SampleOutput(token_ids.tolist(), _logprobs(logits, token_ids, rows))
+        return DeviceSample(token_ids, _LogprobTensors.of(logits, token_ids, rows))
 
     def _mask_early_stops(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         """Forbid every token that would end a row before it has min_tokens output tokens."""
@@ -96,14 +126,15 @@ def _token_counts(seqs: list[Sequence[int]], vocab_size: int, device: torch.devi
     return counts.view(len(seqs), vocab_size).float()
 
 
-def _has_penalty(p: SamplingParams) -> bool:
+def has_penalty(p: SamplingParams) -> bool:
+    """Whether sampling reads the values of the row's earlier tokens."""
     return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
 
 
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     """In place on logits [B, V]. Repetition (HF/vLLM): a seen token's logit is divided by the
     penalty when > 0, multiplied when <= 0. OpenAI: logit -= frequency * count + presence * [count > 0]."""
-    sel = [b for b, row in enumerate(rows) if _has_penalty(row.params)]
+    sel = [b for b, row in enumerate(rows) if has_penalty(row.params)]
     if not sel:
         return
     params = [rows[b].params for b in sel]
@@ -195,27 +226,38 @@ def _hash_uniform(keys: list[tuple[int, int]], vocab: int, device) -> torch.Tens
     return (x.double() + 0.5) / 2.0 ** 32
 
 
-def _logprobs(
-    raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
-) -> list[dict[int, Logprob] | None]:
-    """raw: [B, V] unprocessed logits; token_ids: [B]. The sampled token first, then the top-k,
-    ranked 1 + (number of tokens with a strictly larger logprob)."""
-    out: list[dict[int, Logprob] | None] = [None] * len(rows)
-    sel = [b for b, row in enumerate(rows) if row.params.logprobs is not None]
-    if not sel:
+@dataclasses.dataclass(frozen=True)
+class _LogprobTensors:
+    """The logprobs of the rows that ask for them, as device tensors until `entries`."""
+
+    rows: list[int]  # the batch rows with params.logprobs set
+    limits: list[int]  # their params.logprobs
+    batch: int
+    tensors: tuple[torch.Tensor, ...]  # sampled [S], its logprob [S], its rank [S], top ids/lps/ranks [S, k]
+
+    @classmethod
+    def of(cls, raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]) -> "_LogprobTensors | None":
+        """raw: [B, V] unprocessed logits; token_ids: [B]. The sampled token first, then the
+        top-k, ranked 1 + (number of tokens with a strictly larger logprob)."""
+        sel = [b for b, row in enumerate(rows) if row.params.logprobs is not None]
+        if not sel:
+            return None
+        logprobs = raw[sel].log_softmax(-1)  # [S, V]
+        sampled = token_ids[sel].unsqueeze(1)  # [S, 1]
+        sampled_lp = logprobs.gather(1, sampled)  # [S, 1]
+        sampled_rank = (logprobs > sampled_lp).sum(-1) + 1  # [S]
+        limits = [rows[b].params.logprobs for b in sel]
+        top_lp, top_ids = logprobs.topk(min(max(limits), logprobs.shape[1]), dim=-1)  # [S, k], descending
+        # Every token more likely than top-k entry j is an earlier top-k entry: count those only.
+        top_rank = (top_lp.unsqueeze(1) > top_lp.unsqueeze(2)).sum(-1) + 1  # [S, k]
+        return cls(sel, limits, len(rows), (sampled[:, 0], sampled_lp[:, 0], sampled_rank, top_ids, top_lp, top_rank))
+
+    def entries(self, host: list[list]) -> list[dict[int, Logprob] | None]:
+        """host: `tensors` as lists -> one {token: Logprob} per batch row (None: not asked)."""
+        out: list[dict[int, Logprob] | None] = [None] * self.batch
+        for s, (b, limit) in enumerate(zip(self.rows, self.limits)):
+            ids, lps, ranks = (h[s][:limit] for h in host[3:])
+            entry = {host[0][s]: Logprob(host[1][s], host[2][s])}
+            entry.update((t, Logprob(lp, rank)) for t, lp, rank in zip(ids, lps, ranks))
+            out[b] = entry
         return out
-    logprobs = raw[sel].log_softmax(-1)  # [S, V]
-    sampled = token_ids[sel].unsqueeze(1)  # [S, 1]
-    sampled_lp = logprobs.gather(1, sampled)  # [S, 1]
-    sampled_rank = (logprobs > sampled_lp).sum(-1) + 1  # [S]
-    k = min(max(rows[b].params.logprobs for b in sel), logprobs.shape[1])
-    top_lp, top_ids = logprobs.topk(k, dim=-1)  # [S, k], descending
-    # Every token more likely than top-k entry j is an earlier top-k entry: count those only.
-    top_rank = (top_lp.unsqueeze(1) > top_lp.unsqueeze(2)).sum(-1) + 1  # [S, k]
-    host = [t.tolist() for t in (sampled[:, 0], sampled_lp[:, 0], sampled_rank, top_ids, top_lp, top_rank)]
-    for s, b in enumerate(sel):
-        ids, lps, ranks = (h[s][: rows[b].params.logprobs] for h in host[3:])
-        entry = {host[0][s]: Logprob(host[1][s], host[2][s])}
-        entry.update((t, Logprob(lp, rank)) for t, lp, rank in zip(ids, lps, ranks))
-        out[b] = entry
-    return out

@@ -13,6 +13,11 @@ first sequence granted tokens in it this step, and any other sequence whose fron
 a claimed node waits one step, then finds those tokens computed. A sequence samples when its
 grant reaches its last token. When a decode step finds no chunk, the most recently admitted
 sequence is preempted (its path released; it is recomputed, from the cache where it survives).
+
+Overlapped scheduling (engine.py) schedules a step while the previous one still runs: a
+sequence's last token may then be PENDING (sampled, not read). It is put in the tree and
+granted like any other token (its value reaches the model on the device); a sequence whose
+pending tokens already make `max_tokens` is granted nothing.
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Stop a sequence (running or waiting) and release its path."""
+        seq.drop_pending()
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
             self.tree.release(seq.leaf)
@@ -123,7 +129,7 @@ class Scheduler:
 
     def _grant(self, seq: Sequence, budget: int, claimed: set[int]) -> ScheduledSeq | None:
         start, node = self.tree.frontier(seq.leaf)
-        if node is None or node.id in claimed:
+        if node is None or node.id in claimed or seq.at_max_tokens:
             return None
         claimed.add(node.id)
         n = min(budget, seq.num_tokens - start)

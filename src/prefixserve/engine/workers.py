@@ -58,19 +58,19 @@ class RankState:
         self.backend.plan(batch)
         run = lambda i, p: self.model(i, p, self.backend, self.pool.k, self.pool.v)  # noqa: E731
         if rows is None:
-            hidden = run(self._upload(ids), self._upload(positions))
+            hidden = run(self.upload(ids), self.upload(positions))
         else:
-            hidden = self.graphs.run(rows, self._upload(ids), self._upload(positions),
+            hidden = self.graphs.run(rows, self.upload(ids), self.upload(positions),
                                      self.backend.generation, run)
         if not sample_rows:
             return None
         if sample_rows == list(range(len(sample_rows))):  # a decode step: the first rows
             return self.model.compute_logits(hidden[:len(sample_rows)])
-        return self.model.compute_logits(hidden[self._upload(torch.tensor(sample_rows))])
+        return self.model.compute_logits(hidden[self.upload(torch.tensor(sample_rows))])
 
-    def _upload(self, x: torch.Tensor) -> torch.Tensor:
+    def upload(self, x: torch.Tensor) -> torch.Tensor:
         """Host -> device without waiting for the device (a pageable copy would sync)."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or x.device.type == "cuda":
             return x
         return x.pin_memory().to(self.device, non_blocking=True)
 
