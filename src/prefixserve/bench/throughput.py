@@ -8,8 +8,9 @@ steps that computed no prompt token (Hydragen's decode throughput), ratios to `p
 and to the `no-attention` ceiling, prompt tokens computed, peak KV tokens held (physical) vs the
 running sequences' lengths (logical), and for greedy workloads whether every output is token
 for token the reference config's (`paged-nocache` when run). With `--profile` (CUDA) each
-decode step is split into GPU time (events around the forward) and host time (the step's wall
-time minus the wait for the GPU): `decode_profile`, medians over the decode steps.
+decode step's GPU time (events around its forward and sampling) is set beside the GPU's idle
+time before it: the host work not hidden behind the previous step (`decode_profile`, medians
+over the decode steps; `host_busy_ms`: the host's own time per step, hidden or not).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def register(sub) -> None:
                    help=f"comma-separated, run in this order (default: all: {','.join(R.CONFIGS)})")
     p.add_argument("--no-warmup", action="store_true", help="skip the per-config warm-up")
     p.add_argument("--profile", action="store_true",
-                   help="CUDA: split each decode step into host and GPU time (adds one sync per step)")
+                   help="CUDA: each decode step's GPU time and the GPU's idle time before it (events)")
     g = p.add_argument_group("workload (lists sweep: one JSON entry per config and value)")
     g.add_argument("--system-prompt-len", type=R.int_list, default=[1024], help="sharegpt, synthetic: list")
     g.add_argument("--num-prompts", type=int, default=32, help="sharegpt, synthetic")
@@ -154,7 +155,7 @@ class _Clock:
     peak_logical: int = 0
     cpu_s: float = 0.0  # this process's CPU time: on a shared machine, unlike wall time, not inflated by others
     choices: Counter = dataclasses.field(default_factory=Counter)
-    profile: list = dataclasses.field(default_factory=list)  # decode steps: (rows, step, wait, device)
+    profile: list = dataclasses.field(default_factory=list)  # decode steps' (StepTiming, host wall s)
 
 
 def _timed_run(engine, wl: W.Workload, progress: bool, desc: str) -> tuple[dict, list[list[int]]]:
@@ -171,6 +172,7 @@ def _timed_run(engine, wl: W.Workload, progress: bool, desc: str) -> tuple[dict,
         new = _step(engine, clock, seen, done)
         generated += new
         bar.update(new)
+    _synchronize()
     elapsed, clock.cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     bar.close()
     after = engine.kv_cache_stats()
@@ -179,12 +181,13 @@ def _timed_run(engine, wl: W.Workload, progress: bool, desc: str) -> tuple[dict,
 
 
 def _step(engine, clock: _Clock, seen: dict[str, int], done: dict) -> int:
-    """One engine step, timed and classified; -> tokens sampled in it."""
+    """One engine step, timed and classified; -> tokens read in it. Not synchronized: with
+    overlapped scheduling a step returns while the next runs, and its wall time is the
+    device's step time whenever the host keeps up."""
     computed0 = engine.computed_prompt_tokens
     engine.runner.timing = None
     t = time.perf_counter()
     outs = engine.step()
-    _synchronize()
     dt = time.perf_counter() - t
     sampled = 0
     for out in outs:
@@ -197,8 +200,8 @@ def _step(engine, clock: _Clock, seen: dict[str, int], done: dict) -> int:
     else:
         clock.decode_s, clock.decode_steps = clock.decode_s + dt, clock.decode_steps + 1
         clock.decode_tokens += sampled
-        if (tm := engine.runner.timing) is not None:
-            clock.profile.append((tm.rows, dt, tm.wait_s, tm.device_s))
+        if (tm := engine.runner.timing) is not None and tm.idle_s is not None:
+            clock.profile.append((tm, dt))
     stats = engine.kv_cache_stats()
     clock.peak_in_use = max(clock.peak_in_use, stats.in_use_tokens)
     clock.peak_logical = max(clock.peak_logical, stats.logical_tokens)
@@ -236,17 +239,18 @@ def _metrics(wl: W.Workload, c: _Clock, elapsed: float, generated: int, before, 
     }
 
 
-def _profile_summary(steps: list[tuple[int, float, float, float]]) -> dict | None:
-    """Medians over profiled decode steps: wall time, host time (wall - wait) and GPU time."""
+def _profile_summary(steps: list) -> dict | None:
+    """Medians over profiled decode steps (StepTiming, the host's wall time in step()): GPU
+    time, GPU idle time before the step (host work not hidden), and the host's busy time."""
     if not steps:
         return None
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    step = med([s for _, s, _, _ in steps])
-    host = med([s - w for _, s, w, _ in steps])
-    return {"steps": len(steps), "rows_max": max(r for r, *_ in steps),
-            "step_ms": round(1e3 * step, 3), "host_ms": round(1e3 * host, 3),
-            "device_ms": round(1e3 * med([d for *_, d in steps]), 3),
-            "host_fraction": round(med([(s - w) / s for _, s, w, _ in steps]), 4)}
+    return {"steps": len(steps), "rows_max": max(t.rows for t, _ in steps),
+            "step_ms": round(1e3 * med([t.device_s + t.idle_s for t, _ in steps]), 3),
+            "device_ms": round(1e3 * med([t.device_s for t, _ in steps]), 3),
+            "host_ms": round(1e3 * med([t.idle_s for t, _ in steps]), 3),
+            "host_fraction": round(med([t.idle_s / (t.device_s + t.idle_s) for t, _ in steps]), 4),
+            "host_busy_ms": round(1e3 * med([wall - t.wait_s for t, wall in steps]), 3)}
 
 
 def _warmup(llm, wl: W.Workload) -> None:
