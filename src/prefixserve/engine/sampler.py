@@ -108,20 +108,34 @@ class Sampler:
             row_idx += [b] * len(stops)
             token_idx += stops
         if row_idx:
-            index = torch.tensor([row_idx, token_idx], device=logits.device)
+            index = _to_device([row_idx, token_idx], logits.device)
             logits[index[0], index[1]] = float("-inf")
+
+
+def _to_device(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A host list as a device tensor without a sync: a copy from pageable memory (what
+    `torch.tensor(..., device=)` and indexing with a list do) waits for the device's queue,
+    which would stall overlapped scheduling on the step still running."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def _rows(x: torch.Tensor, sel: list[int]) -> torch.Tensor:
+    """x[sel] along dim 0, without an index when sel is every row in order."""
+    return x if len(sel) == x.shape[0] else x[_to_device(sel, x.device)]
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     """[R, 1] fp32: one per-row parameter, shaped to broadcast against [R, V]."""
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    return _to_device(values, device, torch.float32).unsqueeze(1)
 
 
 def _token_counts(seqs: list[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[S, V] fp32: how many times each token id occurs in each of the S sequences."""
-    lengths = torch.tensor([len(s) for s in seqs], device=device)
-    tokens = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.int64, device=device)
-    seq_of_token = torch.repeat_interleave(torch.arange(len(seqs), device=device), lengths)
+    lengths = _to_device([len(s) for s in seqs], device)
+    tokens = _to_device(list(itertools.chain.from_iterable(seqs)), device)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(seqs), device=device), lengths,
+                                           output_size=len(tokens))
     counts = torch.bincount(seq_of_token * vocab_size + tokens, minlength=len(seqs) * vocab_size)
     return counts.view(len(seqs), vocab_size).float()
 
@@ -139,7 +153,8 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         return
     params = [rows[b].params for b in sel]
     device, vocab_size = logits.device, logits.shape[1]
-    sub = logits[sel]  # [S, V]
+    index = _to_device(sel, device)
+    sub = logits[index]  # [S, V]
     output_counts = _token_counts([rows[b].output_token_ids for b in sel], vocab_size, device)
     in_output = output_counts > 0
     if any(p.repetition_penalty != 1 for p in params):
@@ -149,7 +164,7 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         sub = torch.where(sub > 0, sub / penalty, sub * penalty)
     sub -= _column([p.frequency_penalty for p in params], device) * output_counts
     sub -= _column([p.presence_penalty for p in params], device) * in_output
-    logits[sel] = sub
+    logits[index] = sub
 
 
 def _choose(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -157,11 +172,14 @@ def _choose(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     greedy = [b for b, row in enumerate(rows) if row.params.greedy]
     if len(greedy) == len(rows):
         return logits.argmax(-1)
+    if not greedy:
+        return _draw(logits, rows)
     token_ids = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
-    if greedy:
-        token_ids[greedy] = logits[greedy].argmax(-1)
+    at = _to_device(greedy, logits.device)
+    token_ids[at] = logits[at].argmax(-1)
     drawn = [b for b, row in enumerate(rows) if not row.params.greedy]
-    token_ids[drawn] = _draw(logits[drawn], [rows[b] for b in drawn])
+    at = _to_device(drawn, logits.device)
+    token_ids[at] = _draw(logits[at], [rows[b] for b in drawn])
     return token_ids
 
 
@@ -185,7 +203,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     k = [k or vocab_size for k in top_k]
     # When every row has a top_k, no row keeps a token outside the largest max(k): skip the full sort.
     values, order = logits.topk(max(k), dim=-1)  # [R, W], descending
-    kth_largest = values.gather(1, torch.tensor(k, device=logits.device).unsqueeze(1) - 1)  # [R, 1]
+    kth_largest = values.gather(1, _to_device(k, logits.device).unsqueeze(1) - 1)  # [R, 1]
     values = values.masked_fill(values < kth_largest, float("-inf"))
     probs = values.softmax(-1)
     mass_before = probs.cumsum(-1) - probs  # [R, W]: mass of the strictly more likely tokens
@@ -197,12 +215,19 @@ def _exponential_noise(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
     """[R, V] i.i.d. Exp(1); a seeded row's values are a function of (seed, step, token) only."""
     noise = torch.empty_like(probs)
     unseeded = [r for r, row in enumerate(rows) if row.sample_seed is None]
-    if unseeded:
-        noise[unseeded] = noise[unseeded].exponential_()
+    if len(unseeded) == len(rows):
+        noise.exponential_()
+    elif unseeded:
+        at = _to_device(unseeded, probs.device)
+        noise[at] = noise[at].exponential_()
     seeded = [r for r, row in enumerate(rows) if row.sample_seed is not None]
     if seeded:
         keys = [(rows[r].sample_seed, len(rows[r].output_token_ids)) for r in seeded]
-        noise[seeded] = -torch.log(_hash_uniform(keys, probs.shape[1], probs.device)).to(noise.dtype)
+        drawn = -torch.log(_hash_uniform(keys, probs.shape[1], probs.device)).to(noise.dtype)
+        if len(seeded) == len(rows):
+            noise = drawn
+        else:
+            noise[_to_device(seeded, probs.device)] = drawn
     # a zero-probability token must never win through 0 / 0 = nan
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
@@ -219,8 +244,8 @@ def _pcg(x: torch.Tensor) -> torch.Tensor:
 
 def _hash_uniform(keys: list[tuple[int, int]], vocab: int, device) -> torch.Tensor:
     """[len(keys), vocab] float64 in (0, 1): row i, column t hashes (seed_i, step_i, t)."""
-    seeds = torch.tensor([k[0] for k in keys], dtype=torch.int64, device=device)
-    steps = torch.tensor([k[1] for k in keys], dtype=torch.int64, device=device)
+    seeds = _to_device([k[0] for k in keys], device)
+    steps = _to_device([k[1] for k in keys], device)
     row = _pcg(_pcg((seeds & _M32) ^ _pcg((seeds >> 32) & _M32)) ^ (steps & _M32))
     x = _pcg((row[:, None] + torch.arange(vocab, device=device)) & _M32)
     return (x.double() + 0.5) / 2.0 ** 32
@@ -242,8 +267,8 @@ class _LogprobTensors:
         sel = [b for b, row in enumerate(rows) if row.params.logprobs is not None]
         if not sel:
             return None
-        logprobs = raw[sel].log_softmax(-1)  # [S, V]
-        sampled = token_ids[sel].unsqueeze(1)  # [S, 1]
+        logprobs = _rows(raw, sel).log_softmax(-1)  # [S, V]
+        sampled = _rows(token_ids, sel).unsqueeze(1)  # [S, 1]
         sampled_lp = logprobs.gather(1, sampled)  # [S, 1]
         sampled_rank = (logprobs > sampled_lp).sum(-1) + 1  # [S]
         limits = [rows[b].params.logprobs for b in sel]
