@@ -44,7 +44,6 @@ class StepTiming:
 class Launched:
     """A step queued on the device."""
 
-    sched: SchedulerOutput
     rows: list[Sequence]  # the sequences of the sampled rows, in row order
     sampled: DeviceSample | None  # None: the step samples nothing
     num_rows: int  # query rows
@@ -75,7 +74,7 @@ class ModelRunner:
         if events:
             events[1].record()
         self._prev = None if sampled is None else (tuple(s.seq_id for s in rows), sampled.token_ids)
-        return Launched(sched, rows, sampled, len(ids), events)
+        return Launched(rows, sampled, len(ids), events)
 
     def collect(self, step: Launched) -> SampleOutput | None:
         """The step's sampled tokens on the host (waits for that step only)."""

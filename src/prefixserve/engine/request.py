@@ -72,13 +72,18 @@ class Sequence:
         return self.params.max_tokens is not None and len(self.output_token_ids) >= self.params.max_tokens
 
     @property
+    def num_read(self) -> int:
+        """Output tokens read so far (the pending ones not counted)."""
+        return len(self.output_token_ids) - self.pending
+
+    @property
     def read_token_ids(self) -> list[int]:
-        """The output tokens read so far (a copy, without the pending ones)."""
-        return self.output_token_ids[:len(self.output_token_ids) - self.pending]
+        """The output tokens read so far (a copy)."""
+        return self.output_token_ids[:self.num_read]
 
     def resolve_pending(self, token: int) -> int:
         """The oldest pending token is `token`; -> its position in the sequence."""
-        i = len(self.output_token_ids) - self.pending
+        i = self.num_read
         assert self.pending and self.output_token_ids[i] == PENDING, (self.pending, i)
         self.output_token_ids[i] = token
         self.pending -= 1

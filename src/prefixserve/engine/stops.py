@@ -14,7 +14,7 @@ def check_stop(seq: Sequence, token: int, delta: str, eos_token_ids: tuple[int, 
     count only once `min_tokens` are out; `max_tokens` is resolved (not None)."""
     p = seq.params
     text = seq.text + delta
-    n_out = len(seq.output_token_ids) - seq.pending
+    n_out = seq.num_read
     if p.stop and delta and n_out >= p.min_tokens:
         res = check_stop_strings(text, delta, p.stop, p.include_stop_str_in_output)
         seq.text = res.text
@@ -24,6 +24,6 @@ def check_stop(seq: Sequence, token: int, delta: str, eos_token_ids: tuple[int, 
         seq.text = text
     if n_out >= p.min_tokens and (token in p.stop_token_ids or (token in eos_token_ids and not p.ignore_eos)):
         return "stop"
-    if n_out >= p.max_tokens or seq.num_tokens - seq.pending >= max_model_len:
+    if n_out >= p.max_tokens or len(seq.prompt_token_ids) + n_out >= max_model_len:
         return "length"
     return None
