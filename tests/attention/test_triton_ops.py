@@ -39,7 +39,8 @@ from prefixserve.attention.backends.paged import PagedBackend  # noqa: E402
 from prefixserve.attention.backends.relay import RelayBackend  # noqa: E402
 from prefixserve.attention.ops import reference  # noqa: E402
 from prefixserve.attention.ops import triton as tops  # noqa: E402
-from prefixserve.attention.ops.triton.worklist import KernelConfig, build_worklist  # noqa: E402
+from prefixserve.attention.ops.triton.worklist import (  # noqa: E402
+    KernelConfig, build_worklist, choose_configs)
 from prefixserve.attention.plan import index_arrays  # noqa: E402
 from prefixserve.attention.schedule import SCHEDULES  # noqa: E402
 
@@ -250,6 +251,19 @@ def test_worklist_covers_every_row_and_entry_once(seed, merge):
         got = sorted(m_parts[m_indptr[r]:m_indptr[r + 1]].tolist())
         want = sorted(w for w, p in partial_of_written.items() if final_of_partial[p] == r)
         assert got == want
+
+
+def test_a_lone_shared_item_is_split_to_fill_the_sms():
+    # Table 3's all-shared row: 32 sequences' rows (G = 1) x 1,024 keys, 32 KV heads, 132 SMs:
+    # split until every SM has a program (the partials' floor alone gave 64 programs)
+    configs = choose_configs(32, 128, 2)
+    wl = build_worklist([0], [32], [0], [0, 16], 32, None, None, configs, group=1,
+                        num_kv_heads=32, chunk_size=64, itemsize=2, num_sms=132)
+    assert len(wl.wide) * 32 >= 128 and not wl.direct
+    # and not where the partials' floor leaves enough programs (64 sequences x 2 heads)
+    wl = build_worklist([0], [64], [0], [0, 16], 64, None, None, choose_configs(64, 128, 2),
+                        group=1, num_kv_heads=2, chunk_size=64, itemsize=2, num_sms=1)
+    assert len(wl.wide) == 1 and wl.direct
 
 
 def test_imports_and_runs_on_cpu_without_triton():

@@ -8,9 +8,9 @@ grids); one merge launch when the schedule merges or an item was split -- which 
 output in q's dtype directly.
 
 A padded plan (a CUDA-graph decode step) fixes everything a captured launch bakes in: the
-launch shapes (the wide class at 64 rows), the grids (programs_per_sm x SMs, whatever the unit
-counts), always the merge (over all padded rows), and the fp32 scratch rows, taken from a
-buffer that only grows (`generation` counts its moves).
+launch shapes (chosen for the graph's padded row count), the grids (programs_per_sm x SMs,
+whatever the unit counts), always the merge (over all padded rows), and the fp32 scratch rows,
+taken from a buffer that only grows (`generation` counts its moves).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from .store import store_kv
 from .worklist import NARROW_ROWS, KernelConfig, build_worklist, choose_configs
 
 _SHAPE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "programs_per_sm")
-_GRAPH_WIDE_ROWS = 64  # a padded plan's wide launch shape, whatever its items' rows
 
 
 class TritonKernels:
@@ -49,7 +48,8 @@ class TritonKernels:
         flags, the two launch shapes and their grids."""
         s, q_len, padded = self.shape, arrays["item_q_len"], batch.padded is not None
         wide_rows = q_len[q_len * self.group > NARROW_ROWS]
-        rows_hint = _GRAPH_WIDE_ROWS if padded else int(wide_rows.max(initial=0)) * self.group
+        # a graph's launch shapes are fixed by its row count (an item holds at most all rows)
+        rows_hint = (batch.padded.rows if padded else int(wide_rows.max(initial=0))) * self.group
         configs = self.configs or choose_configs(rows_hint, s.head_dim, s.dtype.itemsize)
         wl = build_worklist(arrays["item_q_start"], q_len, arrays["item_out_start"],
                             arrays["item_kv_indptr"], arrays["q_pos"].size, arrays["row_indptr"],

@@ -20,8 +20,11 @@ is its number of key tiles (block_n keys), and every item is cut into splits of 
 costs its rows' fp32 partials (written, then read by the merge, one partial after another), so
 an item is never cut into splits shorter than 8x that cost (nor than 4 tiles): items with many
 rows (a big shared prefix) already fill the grid with row blocks and stay whole (splits down
-to 2 tiles and 2x were no faster on an H200, with deeper merges). Units are ordered longest
-first (LPT), so the long shared programs start early and the short private tails fill the gaps.
+to 2 tiles and 2x were no faster on an H200, with deeper merges). Unless that leaves a class
+with fewer programs than SMs: then each program is a serial chain of tile loads on an idle
+GPU, and items are cut to about one program per SM (splits of at least 2 tiles). Units are
+ordered longest first (LPT), so the long shared programs start early and the short private
+tails fill the gaps.
 
 Partial rows and the merge. Every split writes its own fp32 partial rows (o, lse); the final
 merge combines them with the schedule's own merge in one pass:
@@ -70,15 +73,16 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int) -> tuple[Ke
     K/V tiles, so the leanest program wins: 2 warps, 2 stages (3-5% faster than 4 warps).
     N: 64 keys x D 128 (or 128 x 64) is a 16 KB K tile in 16-bit types; fp32 (tests) halves it.
     wide: shared items, many rows x G heads: up to 64 rows, one wgmma row block on Hopper
-    (128 rows x 8 warps: 15-20% slower; 64 x 128 keys: spills), half as many keys per tile
-    and 2 programs per SM as the grid target (fewer splits): 3-8% faster than 64 keys at 4.
+    (128 rows x 8 warps: 10-25% slower), the same keys per tile, 3 stages: on the Hydragen
+    grid 64 x 64 x 3 stages ran 3-35% faster than 64 x 32 x 2 (v6; v4 had measured 32 keys
+    1-4% faster, before the persistent grids and the one-FMA softmax).
     """
     block_n = 64 if head_dim > 64 else 128
     if itemsize >= 4:
         block_n //= 2
     wide_m = min(64, max(32, next_pow2(max_wide_rows)))
     return (KernelConfig(NARROW_ROWS, block_n, num_warps=2),
-            KernelConfig(wide_m, block_n // 2, programs_per_sm=2))
+            KernelConfig(wide_m, block_n, num_stages=3))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +114,11 @@ def _splits(q_len, num_entries, cfg: KernelConfig, group: int, num_kv_heads: int
     overhead = np.minimum(q_len, rows) * group * 2 * _PARTIAL_BYTES / (2 * cfg.block_n * itemsize)
     cap = np.maximum(max_tiles, np.ceil(8 * overhead)).astype(np.int64)
     num_splits = -(-tiles // cap)
+    if int((blocks * num_splits).sum()) * num_kv_heads < num_sms:
+        # too few programs to fill the SMs: the step is latency-bound (a serial chain of tile
+        # loads per program), not bound by the partials' bytes; split to about one per SM
+        cap = np.full_like(tiles, max(2, -(-total // num_sms)))
+        num_splits = -(-tiles // cap)
     tiles_per_split = -(-tiles // np.maximum(num_splits, 1))
     per_entry = max(1, cfg.block_n // chunk_pad)  # entries per tile when a tile spans chunks
     entries = np.maximum(1, -(-tiles_per_split * cfg.block_n // chunk_pad))
