@@ -49,14 +49,15 @@ def _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc, scale_log2,
     """One K/V tile ([BLOCK_N, BLOCK_D] each) into the running (m_i, l_i, acc) of qt's rows."""
     if DOT_FP32:
         kt = kt.to(tl.float32)
-    s = tl.dot(qt, tl.trans(kt), input_precision=PRECISION) * scale_log2
+    s = tl.dot(qt, tl.trans(kt), input_precision=PRECISION)  # unscaled scores [BLOCK_M, BLOCK_N]
     if CAUSAL:
         s = tl.where(key_ok[None, :] & (k_pos[None, :] <= qp[:, None]), s, float("-inf"))
-    else:
-        s = tl.where(key_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    else:  # one add per score: the mask is a [BLOCK_N] bias
+        s = s + tl.where(key_ok, 0.0, float("-inf"))[None, :]
+    # m_i is in scaled (base-2) units; scale > 0, so max(s) * scale = max(s * scale)
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp2 finite
-    p = tl.exp2(s - m_safe[:, None])
+    p = tl.exp2(s * scale_log2 - m_safe[:, None])  # one multiply-add per score
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     pv = p.to(vt.dtype)  # 16-bit P on the tensor cores, as FlashAttention
