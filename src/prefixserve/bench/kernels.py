@@ -40,6 +40,7 @@ from .kernel_report import BACKENDS, finish_row, plot, print_table, summarize
 from .kernel_rows import DTYPES, Row, Workload, build, hydragen_grid, limit, table3
 from .kernel_sweep import sweep
 from .kernel_timing import ceilings, max_err, time_call
+from .results import command_line
 
 
 def measure_backends(row: Row, device: torch.device) -> tuple[dict, torch.Tensor]:
@@ -102,7 +103,9 @@ def main(args) -> int:
     ceil = ceilings(device, DTYPES[args.dtype])
     print(f"{name}: copy {ceil['copy_bandwidth'] / 1e12:.2f} TB/s, {args.dtype} matmul "
           f"{ceil['matrix_rate'] / 1e12:.0f} TFLOP/s", flush=True)
-    result = {"device": name, "torch": torch.__version__, "ceilings": ceil, "rows": []}
+    result = {"device": name, "torch": torch.__version__,
+              "command": command_line(args._parser, args, "prefixserve bench kernels"),
+              "ceilings": ceil, "rows": []}
     for w in rows_w:
         row = build(w, device)
         result["rows"].append(measure_row(row, ceil, device))
@@ -142,7 +145,7 @@ def register(sub) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
     p.add_argument("--sweep", action="store_true", help="also time launch shapes of the attend kernel")
-    p.set_defaults(func=main)
+    p.set_defaults(func=main, _parser=p)
 
 
 if __name__ == "__main__":
