@@ -73,9 +73,10 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int) -> tuple[Ke
     K/V tiles, so the leanest program wins: 2 warps, 2 stages (3-5% faster than 4 warps).
     N: 64 keys x D 128 (or 128 x 64) is a 16 KB K tile in 16-bit types; fp32 (tests) halves it.
     wide: shared items, many rows x G heads: up to 64 rows, one wgmma row block on Hopper
-    (128 rows x 8 warps: 10-25% slower), the same keys per tile, 3 stages: on the Hydragen
-    grid 64 x 64 x 3 stages ran 3-35% faster than 64 x 32 x 2 (v6; v4 had measured 32 keys
-    1-4% faster, before the persistent grids and the one-FMA softmax).
+    (128 rows x 8 warps: 4-20% slower), the same keys per tile, 3 stages: on Hydragen-grid
+    rows 64 x 64 x 3 stages took 10-28% less time than 64 x 32 x 2, and the same on Table 3's
+    (v6; v4 had measured 32 keys 1-4% faster, before the persistent grids and the one-FMA
+    softmax).
     """
     block_n = 64 if head_dim > 64 else 128
     if itemsize >= 4:
