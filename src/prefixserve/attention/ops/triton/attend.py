@@ -235,7 +235,8 @@ class Launch:
 def grid_size(num_units: int, num_kv_heads: int, cfg: KernelConfig, sms: int,
               fixed: bool) -> int:
     """Programs of a persistent launch: `programs_per_sm` per SM, or fewer when there is less
-    work -- unless `fixed` (a CUDA graph replays the launch with other counts)."""
+    work -- unless `fixed` (a CUDA graph replays the launch with other counts). On a GPU,
+    launch_units trims it to the programs the GPU holds at once (`resident_programs`)."""
     full = cfg.programs_per_sm * sms
     return full if fixed else min(full, num_units * num_kv_heads)
 
