@@ -68,6 +68,15 @@ def test_invalid_sampling_params_name_the_value(kwargs, needle):
         SamplingParams(**kwargs)
 
 
+def test_chunk_size_defaults_by_device_and_is_validated(make_llm):
+    from prefixserve.config import EngineConfig
+    from prefixserve.engine.workers import CPU_CHUNK_SIZE
+    assert make_llm().engine.pool.chunk_size == CPU_CHUNK_SIZE  # chunk_size=None on the CPU
+    assert make_llm(chunk_size=64).engine.pool.chunk_size == 64
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer, got 0"):
+        EngineConfig.from_kwargs(chunk_size=0)
+
+
 def test_bad_requests_raise_and_the_engine_keeps_serving(make_llm, sharegpt_questions):
     llm = make_llm(max_model_len=256)
     with pytest.raises(ValueError, match="99999999"):

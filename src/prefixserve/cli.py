@@ -30,7 +30,8 @@ _HELP = {
     "tensor_parallel_size": "number of GPUs (or CPU processes) to split the model over",
     "enforce_eager": "CUDA: launch every kernel of a decode step (no CUDA graphs; for debugging "
                      "and comparison)",
-    "chunk_size": "tokens per KV chunk (vLLM's block size)",
+    "chunk_size": "tokens per KV chunk (vLLM's block size); default 64 on CUDA (one key tile of "
+                  "the attention kernels), 16 on CPU",
     "kv_cache_memory": "bytes for the KV cache (default: 1 GiB on CPU, 90%% of free GPU memory)",
     "enable_prefix_caching": "find and reuse shared prefixes (off = every request its own copy)",
     "max_num_seqs": "most sequences in one step",

@@ -75,12 +75,13 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    chunk_size: int = 16
+    chunk_size: int | None = None  # token slots per chunk; None: a device-dependent default
     kv_cache_memory: int | None = None  # bytes; None: a device-dependent default
     enable_prefix_caching: bool = True
 
     def __post_init__(self):
-        _positive("chunk_size", self.chunk_size)
+        if self.chunk_size is not None:
+            _positive("chunk_size", self.chunk_size)
         if self.kv_cache_memory is not None:
             _positive("kv_cache_memory", self.kv_cache_memory)
 
