@@ -279,6 +279,20 @@ def test_a_lone_shared_item_is_split_to_fill_the_sms():
     assert len(wl.wide) == 1 and wl.direct
 
 
+def test_splits_only_where_they_end_the_launch_sooner():
+    # one shared item (1,024 sequences x G 4, 256 chunks) + 1,024 one-chunk tails, 8 KV heads,
+    # 132 SMs: the 32 row blocks x 8 heads already fill the 264 wide programs once; splitting
+    # would only add partials. At 256 sequences (8 row blocks) the item is split to fill them.
+    configs = choose_configs(4096, 128, 2)
+    for n, wide_units in ((1024, 32), (256, 64)):
+        q_len = np.r_[n, np.ones(n, int)]
+        kv_indptr = np.r_[0, np.cumsum(np.r_[256, np.ones(n, int)])]
+        wl = build_worklist(np.r_[0, np.arange(n)], q_len, np.r_[0, n + np.arange(n)], kv_indptr,
+                            n, None, None, configs, group=4, num_kv_heads=8, chunk_size=64,
+                            itemsize=2, num_sms=132)
+        assert len(wl.wide) == wide_units and len(wl.narrow) == n
+
+
 def test_imports_and_runs_on_cpu_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
             "import prefixserve.attention.ops.triton as t, prefixserve.attention.ops.triton.worklist\n"

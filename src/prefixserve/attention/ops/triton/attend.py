@@ -205,7 +205,7 @@ def resident_programs(args: tuple, meta: dict, device: torch.device) -> int:
     shared memory per SM, as Triton's persistent tutorials compute it), x SMs. A persistent
     grid larger than this runs in waves: its last programs start only when the first ones
     have walked their whole stride of units. On an H200 (fp16, D 128) the narrow shape holds
-    5 programs per SM (its target is 4) and the wide one 2 (target 4: capped). Compiled once
+    5 programs per SM (its target is 4) and the 128-row wide one 2 (its target). Compiled once
     per launch shape."""
     key = (device.index, args[0].dtype, *sorted(meta.items()))
     if key not in _RESIDENT:

@@ -15,16 +15,17 @@ go on two streams, but measured on an H200 they overlap only at the first one's 
 hardware dispatches the second kernel's programs once the first has dispatched all of its own).
 
 Load balance (split-K, as FlashDecoding / FlashInfer's scheduler do): the cost of a program
-is its number of key tiles (block_n keys), and every item is cut into splits of at most
-`max_tiles`, chosen so that the grid holds about `programs_per_sm` programs per SM. A split
-costs its rows' fp32 partials (written, then read by the merge, one partial after another), so
-an item is never cut into splits shorter than 8x that cost (nor than 4 tiles): items with many
-rows (a big shared prefix) already fill the grid with row blocks and stay whole (splits down
-to 2 tiles and 2x were no faster on an H200, with deeper merges). Unless that leaves a class
-with fewer programs than SMs: then each program is a serial chain of tile loads on an idle
-GPU, and items are cut to about one program per SM (splits of at least 2 tiles). Units are
-ordered longest first (LPT), so the long shared programs start early and the short private
-tails fill the gaps.
+is its number of key tiles (block_n keys). A launch's grid holds `programs_per_sm` programs
+per SM (what stays resident: 2 for 128-row wide tiles), each taking every P-th work item,
+longest first. Items are cut into splits of at most a cap of tiles; the caps tried are none
+and a balanced share of 1-4 waves of the grid, and the cap whose busiest program has the
+fewest tiles wins (ties: fewer splits). A one-level shared prefix at b1024 is 256 equal work
+items on 264 programs: splitting cannot end it sooner, and it stays whole (its 3 splits had
+cost 1-3.5% on an H200, in partials written and merged). A split costs its rows' fp32
+partials (written, then read by the merge, one partial after another), so an item is never
+cut into splits shorter than 8x that cost (nor than 4 tiles). Unless that leaves a class with
+fewer programs than SMs: then each program is a serial chain of tile loads on an idle GPU,
+and items are cut to about one program per SM (splits of at least 2 tiles).
 
 Partial rows and the merge. Every split writes its own fp32 partial rows (o, lse); the final
 merge combines them with the schedule's own merge in one pass:
@@ -78,14 +79,16 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int) -> tuple[Ke
     (b1024 S16K p128: 967 -> 829 us), and a bare 128-row loop ran 481 TFLOP/s where 64 rows
     ran 389 (8 warps: 330). 2 stages at 128 rows (0-2% faster than 3), 3 at 64 (0-4% faster
     than 2; 64 keys took 10-28% less time than 32, v6). Fewer rows than a tile: the next
-    power of two (Table 3's 32 rows), as a tile's padding rows cost full products.
+    power of two (Table 3's 32 rows), as a tile's padding rows cost full products. A 128-row
+    program's registers leave room for 2 per SM: its grid targets those 2.
     """
     block_n = 64 if head_dim > 64 else 128
     if itemsize >= 4:
         block_n //= 2
     wide_m = min(128, max(32, next_pow2(max_wide_rows)))
     return (KernelConfig(NARROW_ROWS, block_n, num_warps=2),
-            KernelConfig(wide_m, block_n, num_stages=2 if wide_m == 128 else 3))
+            KernelConfig(wide_m, block_n, num_stages=2 if wide_m == 128 else 3,
+                         programs_per_sm=2 if wide_m == 128 else 4))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,11 +115,20 @@ def _splits(q_len, num_entries, cfg: KernelConfig, group: int, num_kv_heads: int
     blocks = -(-q_len // rows)
     tiles = -(-num_entries * chunk_pad // cfg.block_n)
     total = int((blocks * tiles).sum()) * num_kv_heads
-    max_tiles = max(4, -(-total // (cfg.programs_per_sm * num_sms)))
+    programs = cfg.programs_per_sm * num_sms
     # one split's partials (its used rows x G heads x D fp32, written + read) in K/V tiles
     overhead = np.minimum(q_len, rows) * group * 2 * _PARTIAL_BYTES / (2 * cfg.block_n * itemsize)
-    cap = np.maximum(max_tiles, np.ceil(8 * overhead)).astype(np.int64)
-    num_splits = -(-tiles // cap)
+    floor = np.ceil(8 * overhead).astype(np.int64)
+    # split caps (tiles per split): none, or a balanced share of k waves of the grid; keep
+    # the one that ends the launch first (ties: fewer work items, so fewer partials)
+    best = None
+    for cap in [int(tiles.max(initial=1))] + [max(4, -(-total // (k * programs))) for k in (1, 2, 3, 4)]:
+        splits = -(-tiles // np.maximum(cap, floor))
+        key = (_makespan(-(-tiles // splits), blocks * splits * num_kv_heads, programs),
+               int((blocks * splits).sum()))
+        if best is None or key < best[0]:
+            best = (key, splits)
+    num_splits = best[1]
     if int((blocks * num_splits).sum()) * num_kv_heads < num_sms:
         # too few programs to fill the SMs: the step is latency-bound (a serial chain of tile
         # loads per program), not bound by the partials' bytes; split to about one per SM
@@ -127,6 +139,15 @@ def _splits(q_len, num_entries, cfg: KernelConfig, group: int, num_kv_heads: int
     entries = np.maximum(1, -(-tiles_per_split * cfg.block_n // chunk_pad))
     entries = -(-entries // per_entry) * per_entry
     return entries, -(-num_entries // entries)
+
+
+def _makespan(tiles: np.ndarray, copies: np.ndarray, programs: int) -> int:
+    """Tiles of the busiest program when `copies[i]` work items of `tiles[i]` tiles each are
+    taken longest first, program p taking items p, p + programs, ... (the attend kernel's
+    persistent stride)."""
+    work = np.sort(np.repeat(tiles, copies))[::-1]
+    work = np.pad(work, (0, -len(work) % programs))
+    return int(work.reshape(-1, programs).sum(0).max(initial=0))
 
 
 def build_worklist(q_start, q_len, out_start, kv_indptr, num_rows: int, row_indptr, row_parts,
