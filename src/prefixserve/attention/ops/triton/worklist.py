@@ -121,9 +121,12 @@ def _splits(q_len, num_entries, cfg: KernelConfig, group: int, num_kv_heads: int
     floor = np.ceil(8 * overhead).astype(np.int64)
     # split caps (tiles per split): none, or a balanced share of k waves of the grid; keep
     # the one that ends the launch first (ties: fewer work items, so fewer partials)
-    best = None
+    best, tried = None, set()
     for cap in [int(tiles.max(initial=1))] + [max(4, -(-total // (k * programs))) for k in (1, 2, 3, 4)]:
         splits = -(-tiles // np.maximum(cap, floor))
+        if splits.tobytes() in tried:  # caps often agree (short tails: all unsplit)
+            continue
+        tried.add(splits.tobytes())
         key = (_makespan(-(-tiles // splits), blocks * splits * num_kv_heads, programs),
                int((blocks * splits).sum()))
         if best is None or key < best[0]:
