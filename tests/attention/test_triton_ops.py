@@ -167,17 +167,34 @@ def test_merge_partials_matches_reference():
 BACKEND_CASES = [(100 + i, dt, d, g, c, pre) for i, (dt, d, g, c, pre) in enumerate(
     [(torch.float32, 64, 3, 16, False), (torch.float16, 128, 8, 64, False),
      (torch.bfloat16, 64, 1, 16, True), (torch.float16, 64, 3, 64, True)])]
+# decode steps whose units write the new keys (seeds with no recomputed cached token), the
+# second with G = 20: its tails are wide units
+BACKEND_CASES += [(104, torch.bfloat16, 128, 4, 64, False), (108, torch.float16, 64, 20, 16, False)]
+
+
+def folds(case, prefill: bool) -> bool:
+    """Whether the units write the new keys (`worklist.mark_stores`): a decode step in which
+    no sequence's new key is in another sequence's context."""
+    if prefill:
+        return False
+    seqs, c = case.batch.seqs, case.batch.chunk_size
+    keys = [set(torch.cat([seg.slots(c) for seg in s.segments]).tolist()) for s in seqs]
+    new = case.batch.slots.tolist()
+    return not any(new[s.q_start] in keys[j] for i, s in enumerate(seqs)
+                   for j in range(len(seqs)) if j != i)
 
 
 @pytest.mark.parametrize("seed,dtype,head_dim,group,chunk,prefill", BACKEND_CASES)
 def test_backends_on_triton_match_dense(seed, dtype, head_dim, group, chunk, prefill):
-    """plan/run through `TritonKernels` (split-K units, the composed merge, direct output)."""
+    """plan/run through `TritonKernels` (split-K units, the composed merge, direct output;
+    the new keys written by a store launch or, in decode, by the units that read them)."""
     case = tree_case(seed, dtype, head_dim, group, chunk, prefill)
     ref = dense_attention(case)
     vmax = max(v.double().abs().max() for _, v in case.seq_kv)
     for name, cls in BACKENDS.items():
         backend = cls(case.shape, kernels=tops.TritonKernels(case.shape, sms=3))  # splits
         backend.plan(case.batch)
+        assert backend.current.extra["stores"] == folds(case, prefill), name
         k_cache, v_cache = to_dev(case.k_cache.clone(), case.v_cache.clone())
         o = backend.run(*to_dev(case.q, case.k, case.v), k_cache, v_cache).cpu()
         assert o.dtype == dtype and o.shape == case.q.shape, name
@@ -191,7 +208,8 @@ def test_backends_on_triton_match_dense(seed, dtype, head_dim, group, chunk, pre
                          [c for c in BACKEND_CASES if not c[-1]])  # graphs replay decode steps
 def test_padded_batches_on_triton_match_dense(seed, dtype, head_dim, group, chunk, prefill):
     """A CUDA-graph batch (fixed grids, forced merge into reserved scratch): real rows as
-    unpadded, padding rows 0 and writing only the pad slot (in a chunk of its own)."""
+    unpadded, padding rows 0 and writing at most the pad slot (in a chunk of its own): a store
+    launch writes their keys there, units that store write none."""
     case = tree_case(seed, dtype, head_dim, group, chunk, prefill)
     ref, t = dense_attention(case), case.batch.num_tokens
     vmax = max(v.double().abs().max() for _, v in case.seq_kv)
@@ -201,6 +219,8 @@ def test_padded_batches_on_triton_match_dense(seed, dtype, head_dim, group, chun
     for name, cls in BACKENDS.items():
         backend = cls(case.shape, kernels=tops.TritonKernels(case.shape, sms=3))
         backend.plan(batch)
+        stores = backend.current.extra["stores"]
+        assert stores == folds(case, prefill), name
         k_cache, v_cache = (torch.cat([c, torch.zeros_like(c[:1])]) for c in (case.k_cache, case.v_cache))
         k_cache, v_cache = to_dev(k_cache, v_cache)
         o = backend.run(*to_dev(q, k, v), k_cache, v_cache).cpu()
@@ -208,9 +228,14 @@ def test_padded_batches_on_triton_match_dense(seed, dtype, head_dim, group, chun
         bound = U[dtype] * ref.abs() + o_tol(dtype) * vmax
         assert ((o[:t].double() - ref).abs() <= bound).all(), name
         pad_chunk = k_cache[-1].cpu()  # [C, Hkv, D]: slot 0 holds the padding rows' keys
-        # (on a GPU they race: each element is some padding row's)
-        assert (pad_chunk[0][None] == k[t:].to(dtype)).any(0).all(), name
-        assert not pad_chunk[1:].any(), name
+        # (on a GPU they race: each element is some padding row's), or nothing
+        if stores:
+            assert not pad_chunk.any(), name
+        else:
+            assert (pad_chunk[0][None] == k[t:].to(dtype)).any(0).all(), name
+            assert not pad_chunk[1:].any(), name
+        flat = k_cache[:-1].reshape(-1, *k_cache.shape[2:]).cpu()
+        assert torch.equal(flat[case.batch.slots], case.k.to(dtype)), name
 
 
 def _random_items(rng: np.random.Generator, merge: bool):
@@ -241,9 +266,9 @@ def test_worklist_covers_every_row_and_entry_once(seed, merge):
                         num_sms=int(rng.integers(1, 8)))
     # every (item row, entry) pair exactly once; a unit's rows/entries within one item
     seen = {}
-    for qs, n, e0, e1, out in np.concatenate([wl.narrow, wl.wide]).tolist():
+    for qs, n, e0, e1, out, store in np.concatenate([wl.narrow, wl.wide]).tolist():
         item = int(np.searchsorted(kv_indptr, e0, side="right")) - 1
-        assert e1 <= kv_indptr[item + 1] and e0 < e1 and 0 < n
+        assert e1 <= kv_indptr[item + 1] and e0 < e1 and 0 < n and store == -1 and not wl.stores
         k0 = qs - q_start[item]
         assert 0 <= k0 and k0 + n <= q_len[item]
         for k in range(k0, k0 + n):
@@ -291,6 +316,43 @@ def test_splits_only_where_they_end_the_launch_sooner():
                             n, None, None, configs, group=4, num_kv_heads=8, chunk_size=64,
                             itemsize=2, num_sms=132)
         assert len(wl.wide) == wide_units and len(wl.narrow) == n
+
+
+def test_decode_units_store_their_rows_new_keys():
+    # rows 0 and 1 under one shared item (entries 0-1), each with a tail of four 16-slot
+    # entries whose last key is at the row's own position (83, 88)
+    q_start, q_len, out_start = np.r_[0, 0, 1], np.r_[2, 1, 1], np.r_[0, 2, 3]
+    kv_indptr = np.r_[0, 2, 6, 10]
+    chunks = np.r_[7, 3, 5, 9, 10, 11, 6, 8, 12, 13]
+    kv_pos = np.r_[0, 16, 32, 48, 64, 80, 32, 48, 64, 80]
+    kv_lo, kv_hi = np.zeros(10, int), np.r_[16, 16, 16, 16, 16, 4, 16, 16, 16, 9]
+    configs = (KernelConfig(16, 16), KernelConfig(32, 16))
+
+    def build(q_pos, kv_chunk=chunks, num_sms=1, kv_hi=kv_hi):
+        return build_worklist(q_start, q_len, out_start, kv_indptr, 2, np.r_[0, 2, 4],
+                              np.r_[0, 2, 1, 3], configs, group=1, num_kv_heads=1,
+                              chunk_size=16, itemsize=2, num_sms=num_sms,
+                              positions=(q_pos, kv_pos, kv_lo, kv_hi), kv_chunk=kv_chunk)
+
+    for sms, tail_units in ((1, 2), (8, 4)):  # 8 SMs: split tails, and only the last split stores
+        wl = build(np.r_[83, 88], num_sms=sms)
+        units = np.concatenate([wl.narrow, wl.wide])
+        assert wl.stores and (units[:, 1] == 1).sum() == tail_units
+        stores = units[units[:, 5] >= 0]
+        assert sorted(stores[:, 5].tolist()) == [0, 1] and (stores[:, 0] == stores[:, 5]).all()
+        assert (stores[:, 3] == kv_indptr[stores[:, 0] + 2]).all()
+    # row 0's new key alone in its last entry (a fresh chunk)
+    wl = build(np.r_[80, 88], kv_hi=np.r_[16, 16, 16, 16, 16, 1, 16, 16, 16, 9])
+    assert wl.stores and wl.narrow[wl.narrow[:, 5] == 0, 3].tolist() == [6]
+    # row 1's last entry reads row 0's new key (chunk 11, slot 3): it recomputes a cached token
+    assert not build(np.r_[83, 88], kv_chunk=np.r_[7, 3, 5, 9, 10, 11, 6, 8, 12, 11]).stores
+    # a row's newest key is not at its own position (prefill: a later row reads it, causal)
+    assert not build(np.r_[84, 88]).stores and not build(np.r_[82, 88]).stores
+    # no kv_chunk: a store launch
+    assert not build_worklist(q_start, q_len, out_start, kv_indptr, 2, np.r_[0, 2, 4],
+                              np.r_[0, 2, 1, 3], configs, group=1, num_kv_heads=1, chunk_size=16,
+                              itemsize=2, num_sms=1,
+                              positions=(np.r_[83, 88], kv_pos, kv_lo, kv_hi)).stores
 
 
 def test_imports_and_runs_on_cpu_without_triton():

@@ -61,7 +61,7 @@ class Row:
     shape: object  # AttentionShape
     batch: object  # AttentionBatch: depth-first order, every path = shared levels + private tail
     q: torch.Tensor  # [b, Hq, D]
-    k: torch.Tensor  # [b, Hkv, D]: the decoded token's key, written by the backends' store_kv
+    k: torch.Tensor  # [b, Hkv, D]: the decoded token's key, written by the backends' run()
     v: torch.Tensor
     k_cache: torch.Tensor  # [num_chunks, C, Hkv, D]
     v_cache: torch.Tensor

@@ -67,30 +67,32 @@ def sweep(dtype: str, device: torch.device) -> list[dict]:
 
 def _split_times(be, row: Row, device: torch.device) -> dict:
     """The default run's parts alone: store_kv, each attend launch, both (forked), the merge."""
-    from ..attention.ops.triton.attend import Launch, launch_units, launch_worklist
+    from ..attention.ops.triton.attend import launch_units, launch_worklist
     from ..attention.ops.triton.merge import merge_rows
+    from ..attention.ops.triton.store import store_kv
     p, x, kern = be.current, be.current.extra, be.kernels
-    launches = tuple(Launch(x[c], x["unit_counts"][i:i + 1], kern.launch_config(x, c),
-                            bool(x[f"causal_{c}"]), x[f"{c}_programs"])
-                     for i, c in enumerate(("narrow", "wide")))
+    launches = kern.launches(x)
     hq, d = row.q.shape[1:]
     rows = x["num_partials"]
     o_s = torch.empty((rows, hq, d), dtype=torch.float32, device=device)
     lse_s = torch.empty((rows, hq), dtype=torch.float32, device=device)
     out = torch.empty_like(row.q)
     idx = (p.kv_chunk, p.kv_lo, p.kv_hi, p.kv_pos)
-    times = {"store_kv": timed(lambda: kern.store_kv(row.k_cache, row.v_cache, row.k, row.v,
-                                                     p.slots), device)}
+    new_kv = (row.k, row.v, p.slots)
+    # the store launch alone (which a decode step's attend units replace: `stores`)
+    times = {"store_kv": timed(lambda: store_kv(row.k_cache, row.v_cache, row.k, row.v,
+                                                p.slots), device)}
     for name, la in zip(("narrow", "wide"), launches):
         if la.programs:
             times[name] = timed(lambda: launch_units(row.q, row.k_cache, row.v_cache, p.q_pos,
                                                      la.units, la.count, *idx, row.shape.scale,
-                                                     o_s, lse_s, la.cfg, la.causal, la.programs),
+                                                     o_s, lse_s, la.cfg, la.causal, la.programs,
+                                                     new_kv if la.stores else None),
                                 device)
             times[name + "_units"] = int(la.units.shape[0])
     times["both"] = timed(lambda: launch_worklist(row.q, row.k_cache, row.v_cache, p.q_pos,
                                                   launches, *idx, row.shape.scale, o_s, lse_s,
-                                                  kern.side), device)
+                                                  kern.side, new_kv), device)
     if not x["direct"]:
         times["merge"] = timed(lambda: merge_rows(o_s, lse_s, x["merge_indptr"],
                                                   x["merge_parts"], out, None), device)

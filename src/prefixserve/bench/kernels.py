@@ -9,7 +9,7 @@ its decoded token (the query).
              (a device-to-device copy, bytes read + written; an 8192^3 matmul in --dtype on
              random data); bytes = shared K/V once + private K/V + q + o; FLOPs = 4 D Hq keys
              per query
-    timing   each backend's run() (store_kv + attend + merge) and each peer's call, captured in
+    timing   each backend's run() (new K/V + attend + merge) and each peer's call, captured in
              a CUDA graph where it can be and replayed under triton.testing.do_bench (median,
              L2 flushed before every replay); `timing` says graph or eager, `eager_us` is kept
     peers    sdpa (PyTorch FlashAttention on dense per-sequence K/V), hydragen-pub (Hydragen as

@@ -47,5 +47,4 @@ class ScheduledBackend(AttentionBackend):
         p, s = self.current, self.shape
         assert p is not None, "plan() before run()"
         assert q.shape == (p.slots.numel(), s.num_heads, s.head_dim), q.shape
-        self.kernels.store_kv(k_cache, v_cache, k, v, p.slots)
-        return self.kernels.attend(q, k_cache, v_cache, p, s.scale)
+        return self.kernels.run(q, k, v, k_cache, v_cache, p, s.scale)

@@ -5,9 +5,9 @@ A scheduled backend runs its plans through one executor, picked once by device i
 same function from the same plan; an executor has
 
     plan_extra(batch, arrays) -> extra plan arrays/ints (kept in `DevicePlan.extra`)
-    generation                -> bumped when buffers a CUDA graph captured move
-    store_kv(k_cache, v_cache, k, v, slots)
-    attend(q, k_cache, v_cache, plan, scale) -> o [T, Hq, D] in q's dtype
+    generation                -> bumped when what a captured CUDA graph holds changes
+    run(q, k, v, k_cache, v_cache, plan, scale) -> o [T, Hq, D] in q's dtype, after writing
+                                 the new k, v [T, Hkv, D] at plan.slots
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from . import reference
 
 
 class ReferenceKernels:
-    """The PyTorch ops: attend_items, then merge_partials if the schedule merges, then a cast."""
+    """The PyTorch ops: store_kv, attend_items, then merge_partials if the schedule merges,
+    then a cast."""
 
     generation = 0  # no buffers of its own (see AttentionBackend.generation)
 
@@ -28,11 +29,9 @@ class ReferenceKernels:
     def plan_extra(self, batch, arrays) -> dict:
         return {}
 
-    def store_kv(self, k_cache, v_cache, k, v, slots) -> None:
-        reference.store_kv(k_cache, v_cache, k, v, slots)
-
-    def attend(self, q, k_cache, v_cache, plan, scale: float) -> torch.Tensor:
+    def run(self, q, k, v, k_cache, v_cache, plan, scale: float) -> torch.Tensor:
         p = plan
+        reference.store_kv(k_cache, v_cache, k, v, p.slots)
         o, lse = reference.attend_items(q, k_cache, v_cache, p.q_pos, p.item_q_start,
                                         p.item_q_len, p.item_out_start, p.item_kv_indptr,
                                         p.kv_chunk, p.kv_lo, p.kv_hi, p.kv_pos, scale,

@@ -16,6 +16,13 @@ Program (unit u, KV head h) computes, for the unit's R query rows x the G query 
 
 A row that sees no key writes (0, -inf). Masked lanes read nothing (loads return 0), so a NaN
 in an unused slot cannot leak in.
+
+STORE (decode): a unit whose `store` column names a row t (its one row) takes t's new key and
+value at KV head h from k_new/v_new [T, Hkv, D] rather than from the cache: that key is the
+last of the unit's last entry, so the tile walk ends one slot earlier there (one entry
+earlier, if the entry held nothing else), the key joins the softmax from registers after the
+walk, and the unit writes it into slots[t]. No program reads that slot in the step
+(`worklist.mark_stores`), so the write needs no ordering.
 """
 
 from __future__ import annotations
@@ -69,41 +76,49 @@ def _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc, scale_log2,
 
 @triton.jit
 def _attend_kernel(q, k_cache, v_cache, q_pos, units, unit_count, kv_chunk, kv_lo, kv_hi, kv_pos,
-                   o, lse, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
-                   scale_log2, chunk_size,
+                   o, lse, k_new, v_new, slots, stride_qt, stride_qh, stride_ot, stride_oh,
+                   stride_lt, stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, chunk_size,
                    HKV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    C_PAD: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
-                   PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+                   STORE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     # Persistent: program p takes work items p, p + P, p + 2P, ... of the unit_count[0] * HKV
     # (unit, KV head) pairs; units are longest first, so each stride of P items is balanced.
     num_work = tl.load(unit_count) * HKV
     for w in range(tl.program_id(0), num_work, tl.num_programs(0)):
         _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_pos, o, lse,
-                     w // HKV, w % HKV, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                     k_new, v_new, slots, w // HKV, w % HKV, stride_qt, stride_qh, stride_ot,
+                     stride_oh, stride_lt, stride_kt, stride_kh, stride_vt, stride_vh,
                      scale_log2, chunk_size, HKV, G, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, C_PAD,
-                     CAUSAL, WRITE_LSE, PRECISION, DOT_FP32)
+                     CAUSAL, WRITE_LSE, STORE, PRECISION, DOT_FP32)
 
 
 @triton.jit
-def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_pos, o, lse, u, h,
-                 stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
-                 scale_log2, chunk_size,
+def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_pos, o, lse,
+                 k_new, v_new, slots, u, h, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                 stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, chunk_size,
                  HKV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  C_PAD: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
-                 PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+                 STORE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     """Unit u x KV head h: the tile walk described in the module docstring."""
-    q_start = tl.load(units + u * 5)
-    q_len = tl.load(units + u * 5 + 1)
-    e0 = tl.load(units + u * 5 + 2)
-    e1 = tl.load(units + u * 5 + 3)
-    out = tl.load(units + u * 5 + 4)
+    q_start = tl.load(units + u * 6)
+    q_len = tl.load(units + u * 6 + 1)
+    e0 = tl.load(units + u * 6 + 2)
+    e1 = tl.load(units + u * 6 + 3)
+    out = tl.load(units + u * 6 + 4)
+    row_stride = HKV * HEAD_DIM  # elements per cache slot; caches are contiguous
+    head_off = h * HEAD_DIM
+    d = tl.arange(0, BLOCK_D)
+    if STORE:  # t: the row whose new key this unit holds (-1: none, and e_new -1 no entry)
+        t = tl.load(units + u * 6 + 5).to(tl.int64)
+        e_new = tl.where(t >= 0, e1 - 1, -1)  # the entry whose last slot is the new key
+        alone = tl.load(kv_hi + e1 - 1) - tl.load(kv_lo + e1 - 1) == 1
+        e1 = tl.where((t >= 0) & alone, e1 - 1, e1)
 
     m = tl.arange(0, BLOCK_M)
     row, head = m // G, h * G + m % G  # [BLOCK_M]
     row_ok = row < q_len
-    d = tl.arange(0, BLOCK_D)
     col_ok = (d < HEAD_DIM)[None, :]
     q_ptr = q + (q_start + row)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh
     qt = tl.load(q_ptr + d[None, :], mask=_rows_mask(row_ok, col_ok, BLOCK_D == HEAD_DIM),
@@ -116,15 +131,16 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n = tl.arange(0, BLOCK_N)
-    row_stride = HKV * HEAD_DIM  # elements per cache slot; caches are contiguous
-    head_off = h * HEAD_DIM
     if BLOCK_N <= C_PAD:  # a tile is slots [slot0, slot0 + BLOCK_N) of one entry's chunk
         tile_off = n[:, None] * row_stride + d[None, :]  # [BLOCK_N, BLOCK_D], hoisted
         for v0 in range(0, (e1 - e0) * C_PAD, BLOCK_N):
             e = e0 + v0 // C_PAD
             slot = v0 % C_PAD + n
             lo = tl.load(kv_lo + e)
-            key_ok = (slot >= lo) & (slot < tl.load(kv_hi + e))
+            hi = tl.load(kv_hi + e)
+            if STORE:  # the new key joins from registers
+                hi = tl.where(e == e_new, hi - 1, hi)
+            key_ok = (slot >= lo) & (slot < hi)
             k_pos = tl.load(kv_pos + e) + slot - lo
             base = (tl.load(kv_chunk + e).to(tl.int64) * chunk_size + v0 % C_PAD) * row_stride
             kv_mask = _rows_mask(key_ok, col_ok, BLOCK_D == HEAD_DIM)
@@ -139,6 +155,8 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
             e_ok = e < e1
             lo = tl.load(kv_lo + e, mask=e_ok, other=0)
             hi = tl.load(kv_hi + e, mask=e_ok, other=0)  # -> key_ok False past e1
+            if STORE:
+                hi = tl.where(e == e_new, hi - 1, hi)
             key_ok = (slot >= lo) & (slot < hi)
             k_pos = tl.load(kv_pos + e, mask=e_ok, other=0) + slot - lo
             chunk = tl.load(kv_chunk + e, mask=e_ok, other=0).to(tl.int64)
@@ -148,6 +166,22 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
             vt = tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)
             m_i, l_i, acc = _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc,
                                          scale_log2, CAUSAL, PRECISION, DOT_FP32)
+
+    if STORE:
+        if t >= 0:  # the new key: one more online-softmax step (q_len 1: rows m < G, fp32);
+            # loaded only now, so that its registers are free during the walk
+            kn = tl.load(k_new + t * stride_kt + h * stride_kh + d, mask=d < HEAD_DIM)
+            vn = tl.load(v_new + t * stride_vt + h * stride_vh + d, mask=d < HEAD_DIM)
+            s_new = tl.sum(qt.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * scale_log2
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            l_i = l_i * alpha + p_new
+            acc = acc * alpha[:, None] + p_new[:, None] * vn.to(tl.float32)[None, :]
+            m_i = m_new
+            dst = tl.load(slots + t) * row_stride + head_off + d  # [BLOCK_D]
+            tl.store(k_cache + dst, kn.to(k_cache.dtype.element_ty), mask=d < HEAD_DIM)
+            tl.store(v_cache + dst, vn.to(v_cache.dtype.element_ty), mask=d < HEAD_DIM)
 
     seen = l_i > 0.0
     o_tile = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -161,33 +195,41 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
 
 
 def launch_units(q, k_cache, v_cache, q_pos, units, count, kv_chunk, kv_lo, kv_hi, kv_pos,
-                 scale: float, o, lse, cfg: KernelConfig, causal: bool, programs: int) -> None:
-    """Run the first count[0] units of `units` ([>= count, 5] int32, see worklist; count: [1]
+                 scale: float, o, lse, cfg: KernelConfig, causal: bool, programs: int,
+                 new_kv: tuple | None = None) -> None:
+    """Run the first count[0] units of `units` ([>= count, 6] int32, see worklist; count: [1]
     int32 on the device, so a CUDA graph replays any number) on a persistent grid of
     `programs` programs, into o [*, Hq, D] (any float dtype) and, unless lse is None, lse
     [*, Hq] fp32 at the units' out rows. causal=False promises that every row sees every key
-    of its units (decode), which drops the position mask."""
+    of its units (decode), which drops the position mask. new_kv: (k [T, Hkv, D], v, slots
+    [T] int64) for units that store their row's new key (worklist `stores`)."""
     t, hq, d = q.shape
     n_chunks, chunk_size, hkv, d_cache = k_cache.shape
     assert d_cache == d and hq % hkv == 0 and v_cache.shape == k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and units.is_contiguous()
     assert q.stride(-1) == 1 and o.stride(-1) == 1 and o.shape[1:] == q.shape[1:]
     assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype)
-    assert units.dtype == torch.int32 and units.dim() == 2 and units.shape[1] == 5
+    assert units.dtype == torch.int32 and units.dim() == 2 and units.shape[1] == 6
     for idx in (q_pos, count, kv_chunk, kv_lo, kv_hi, kv_pos):
         assert idx.dtype == torch.int32 and idx.device == q.device
     assert lse is None or (lse.dtype == torch.float32 and lse.shape == o.shape[:2])
+    if programs == 0:  # (the narrow class is empty when G > NARROW_ROWS)
+        return
     g = hq // hkv
     assert cfg.block_m >= g, "a KV head's G query heads must fit one tile"
-    if programs == 0:
-        return
+    k, v, slots = new_kv or (k_cache, v_cache, None)  # no store: any pointers
+    if new_kv is not None:
+        assert k.shape == v.shape and k.shape[1:] == k_cache.shape[2:] and slots.shape == k.shape[:1]
+        assert k.stride(-1) == 1 and v.stride(-1) == 1 and slots.dtype == torch.int64
     args = (q, k_cache, v_cache, q_pos, units, count, kv_chunk, kv_lo, kv_hi, kv_pos, o,
-            o if lse is None else lse, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
-            0 if lse is None else lse.stride(0), scale * _LOG2E, chunk_size)
+            o if lse is None else lse, k, v, q_pos if slots is None else slots,
+            q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+            0 if lse is None else lse.stride(0), k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), scale * _LOG2E, chunk_size)
     meta = dict(
         HKV=hkv, G=g, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, C_PAD=next_pow2(chunk_size), CAUSAL=causal,
-        WRITE_LSE=lse is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        WRITE_LSE=lse is not None, STORE=new_kv is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # the interpreter (CPU tensors) multiplies raw bf16 bits in tl.dot (triton 3.9): upcast
         # there, exactly (the products are then of the same bf16 values, in fp32)
         DOT_FP32=q.device.type == "cpu" and q.dtype == torch.bfloat16,
@@ -225,11 +267,12 @@ def resident_programs(args: tuple, meta: dict, device: torch.device) -> int:
 class Launch:
     """One of a plan's two attend launches (narrow, wide)."""
 
-    units: torch.Tensor  # [>= U, 5] int32
+    units: torch.Tensor  # [>= U, 6] int32
     count: torch.Tensor  # [1] int32 on the device: U
     cfg: KernelConfig
     causal: bool
     programs: int  # persistent grid size; 0: nothing to run
+    stores: bool = False  # some unit stores its row's new key (the launch takes new_kv)
 
 
 def grid_size(num_units: int, num_kv_heads: int, cfg: KernelConfig, sms: int,
@@ -242,15 +285,16 @@ def grid_size(num_units: int, num_kv_heads: int, cfg: KernelConfig, sms: int,
 
 
 def launch_worklist(q, k_cache, v_cache, q_pos, launches: tuple[Launch, Launch], kv_chunk, kv_lo,
-                    kv_hi, kv_pos, scale: float, o, lse, side=None) -> None:
+                    kv_hi, kv_pos, scale: float, o, lse, side=None, new_kv=None) -> None:
     """Both unit classes' launches (narrow, wide). With a side stream (CUDA) the wide launch
     runs on it, concurrently with the narrow one; the current stream waits for it before
-    returning (graph capture records the fork and join)."""
+    returning (graph capture records the fork and join). new_kv: as launch_units', for the
+    launches that store."""
     idx = (kv_chunk, kv_lo, kv_hi, kv_pos)
 
     def go(x: Launch) -> None:
         launch_units(q, k_cache, v_cache, q_pos, x.units, x.count, *idx, scale, o, lse, x.cfg,
-                     x.causal, x.programs)
+                     x.causal, x.programs, new_kv if x.stores else None)
 
     narrow, wide = launches
     fork = side is not None and narrow.programs and wide.programs

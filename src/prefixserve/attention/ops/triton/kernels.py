@@ -3,14 +3,16 @@
 plan time (host, once per step, via `PlanCache(extend=...)`): the work list of the attend
 kernel (narrow and wide units with their device counts, split-K merge CSR, which launches need
 a position mask; see `worklist`), uploaded lazily like the plan's own arrays.
-run time (per layer): store_kv; the narrow and wide attend launches (two streams, persistent
-grids); one merge launch when the schedule merges or an item was split -- which writes the
-output in q's dtype directly.
+run time (per layer): store_kv, unless the attend units write the new keys themselves (a
+decode step: `worklist.mark_stores`); the narrow and wide attend launches (two streams,
+persistent grids); one merge launch when the schedule merges or an item was split -- which
+writes the output in q's dtype directly.
 
 A padded plan (a CUDA-graph decode step) fixes everything a captured launch bakes in: the
 launch shapes (chosen for the graph's padded row count), the grids (programs_per_sm x SMs,
 whatever the unit counts), always the merge (over all padded rows), and the fp32 scratch rows,
-taken from a buffer that only grows (`generation` counts its moves).
+taken from a buffer that only grows (`generation` counts its moves, and the changes of
+whether the units store the new keys, which a graph bakes in as well).
 """
 
 from __future__ import annotations
@@ -42,14 +44,15 @@ class TritonKernels:
         # the default pool; a side stream equal to the capture stream serialized the two
         # launches (measured: 288 vs 274 us on Table 3 n_p 4096, n_s 2048)
         self.side = torch.cuda.Stream(shape.device, priority=-1) if cuda else None
-        self.generation = 0  # moves of the padded plans' scratch buffers
+        self.generation = 0  # moves of the padded plans' scratch buffers, changes of `stores`
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._padded_stores: tuple[bool, bool] | None = None
 
     def plan_extra(self, batch: AttentionBatch,
                    arrays: dict[str, np.ndarray | None]) -> dict[str, np.ndarray | int | None]:
         """Work list of a plan's index arrays: device arrays `narrow`, `wide` (units),
-        `unit_counts`, `merge_indptr`, `merge_parts`; ints `num_partials`, `direct`, the causal
-        flags, the two launch shapes and their grids."""
+        `unit_counts`, `merge_indptr`, `merge_parts`; ints `num_partials`, `direct`, `stores`
+        and per launch whether it stores, the causal flags, the two launch shapes and grids."""
         s, q_len, padded = self.shape, arrays["item_q_len"], batch.padded is not None
         wide_rows = q_len[q_len * self.group > NARROW_ROWS]
         # a graph's launch shapes are fixed by its row count (an item holds at most all rows)
@@ -61,45 +64,57 @@ class TritonKernels:
                             num_kv_heads=s.num_kv_heads, chunk_size=batch.chunk_size,
                             itemsize=s.dtype.itemsize, num_sms=self.sms,
                             positions=[arrays[f] for f in ("q_pos", "kv_pos", "kv_lo", "kv_hi")],
+                            kv_chunk=arrays["kv_chunk"],
                             force_merge=padded)
         assert not (padded and any(wl.causal)), "a padded (graph) step must be a decode step"
+        stores = tuple(bool(wl.stores and (u[:, 5] >= 0).any()) for u in (wl.narrow, wl.wide))
         if padded:
             self._reserve_scratch(wl.num_partials)
+            if stores != self._padded_stores:  # (fixed in practice: decode tails are narrow iff G <= 16)
+                self._padded_stores = stores
+                self.generation += 1
         shapes = {f"{c}_{k}": getattr(cfg, k) for c, cfg in zip(("narrow", "wide"), configs)
                   for k in _SHAPE_KEYS}
         grids = {f"{c}_programs": grid_size(len(u), s.num_kv_heads, cfg, self.sms, padded)
                  for c, u, cfg in zip(("narrow", "wide"), (wl.narrow, wl.wide), configs)}
+        if self.group > NARROW_ROWS:  # one row's G heads exceed a narrow tile: never a narrow unit
+            grids["narrow_programs"] = 0
         return {"narrow": wl.narrow, "wide": wl.wide,
                 "unit_counts": np.array([len(wl.narrow), len(wl.wide)], np.int64),
                 "merge_indptr": wl.merge_indptr, "merge_parts": wl.merge_parts,
-                "num_partials": wl.num_partials, "direct": int(wl.direct),
+                "num_partials": wl.num_partials, "direct": int(wl.direct), "stores": int(wl.stores),
+                "stores_narrow": int(stores[0]), "stores_wide": int(stores[1]),
                 "causal_narrow": int(wl.causal[0]), "causal_wide": int(wl.causal[1]),
                 **shapes, **grids}
 
-    def store_kv(self, k_cache, v_cache, k, v, slots) -> None:
-        store_kv(k_cache, v_cache, k, v, slots)
-
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan,
-               scale: float) -> torch.Tensor:
-        """o [R, Hq, D] in q's dtype for `plan` (a DevicePlan with this object's extras)."""
-        x = plan.extra
-        launches = tuple(Launch(x[c], x["unit_counts"][i:i + 1], self.launch_config(x, c),
-                                bool(x[f"causal_{c}"]), x[f"{c}_programs"])
-                         for i, c in enumerate(("narrow", "wide")))
-        args = (q, k_cache, v_cache, plan.q_pos, launches, plan.kv_chunk, plan.kv_lo,
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor, plan, scale: float) -> torch.Tensor:
+        """Write k, v [R, Hkv, D] at plan.slots; o [R, Hq, D] in q's dtype for `plan` (a
+        DevicePlan with this object's extras)."""
+        x, new_kv = plan.extra, (k, v, plan.slots)
+        if not x["stores"]:
+            store_kv(k_cache, v_cache, k, v, plan.slots)
+        args = (q, k_cache, v_cache, plan.q_pos, self.launches(x), plan.kv_chunk, plan.kv_lo,
                 plan.kv_hi, plan.kv_pos, scale)
         out = torch.empty_like(q)
         if x["direct"]:
-            launch_worklist(*args, out, None, self.side)
+            launch_worklist(*args, out, None, self.side, new_kv)
             return out
         o_s, lse_s = self._scratch if plan.padded else self._new_scratch(x["num_partials"])
-        launch_worklist(*args, o_s, lse_s, self.side)
+        launch_worklist(*args, o_s, lse_s, self.side, new_kv)
         merge_rows(o_s, lse_s, x["merge_indptr"], x["merge_parts"], out, None)
         return out
 
     @staticmethod
     def launch_config(extra: dict, cls: str) -> KernelConfig:
         return KernelConfig(*(extra[f"{cls}_{k}"] for k in _SHAPE_KEYS))
+
+    @classmethod
+    def launches(cls, x: dict) -> tuple[Launch, Launch]:
+        """The (narrow, wide) launches of a plan's extras `x`."""
+        return tuple(Launch(x[c], x["unit_counts"][i:i + 1], cls.launch_config(x, c),
+                            bool(x[f"causal_{c}"]), x[f"{c}_programs"], bool(x[f"stores_{c}"]))
+                     for i, c in enumerate(("narrow", "wide")))
 
     def _new_scratch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 partials o [rows, Hq, D] and lse [rows, Hq]."""

@@ -27,6 +27,14 @@ cut into splits shorter than 8x that cost (nor than 4 tiles). Unless that leaves
 fewer programs than SMs: then each program is a serial chain of tile loads on an idle GPU,
 and items are cut to about one program per SM (splits of at least 2 tiles).
 
+New keys (decode). In a step where every row reads only keys at or before its own position,
+each row's newest key (the one this step's store writes) is read by one unit alone: the last
+split of the row's own tail item. That unit takes the key from the step's k/v (not from the
+cache) and writes it into its slot (column `store`: the row), so the step needs no store
+launch (`stores`). Otherwise
+(prefill: a row's new key is read by later rows' units; or a row recomputes a cached token
+that others read) the executor stores first, and every `store` is -1.
+
 Partial rows and the merge. Every split writes its own fp32 partial rows (o, lse); the final
 merge combines them with the schedule's own merge in one pass:
 
@@ -93,13 +101,14 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int) -> tuple[Ke
 
 @dataclasses.dataclass(frozen=True)
 class WorkList:
-    narrow: np.ndarray  # [Un, 5] int64: q_start, q_len, e0, e1, out_row (longest first)
-    wide: np.ndarray  # [Uw, 5] the same, items with more than NARROW_ROWS rows x G
+    narrow: np.ndarray  # [Un, 6] int64: q_start, q_len, e0, e1, out_row, store (longest first)
+    wide: np.ndarray  # [Uw, 6] the same, items with more than NARROW_ROWS rows x G
     num_partials: int  # S: rows the kernels write (scratch rows, or output rows if direct)
     merge_indptr: np.ndarray | None  # [num_rows + 1]: final row -> merge_parts range
     merge_parts: np.ndarray | None  # [S']: scratch rows in row order; None: no merge
     direct: bool  # no merge: units write final rows (out_row indexes the output)
     causal: tuple[bool, bool]  # (narrow, wide): some row precedes one of its unit's keys
+    stores: bool  # units write every row's new key (store >= 0: that row's); no store launch
 
 
 def _csr(counts: np.ndarray) -> np.ndarray:
@@ -156,14 +165,15 @@ def _makespan(tiles: np.ndarray, copies: np.ndarray, programs: int) -> int:
 def build_worklist(q_start, q_len, out_start, kv_indptr, num_rows: int, row_indptr, row_parts,
                    configs: tuple[KernelConfig, KernelConfig], *, group: int, num_kv_heads: int,
                    chunk_size: int, itemsize: int, num_sms: int, positions=None,
-                   force_merge: bool = False) -> WorkList:
+                   kv_chunk=None, force_merge: bool = False) -> WorkList:
     """Units and merge CSR of a plan (arrays as in `plan.index_arrays`).
 
     configs: (narrow, wide); an item is wide if q_len * G > NARROW_ROWS. Each class is split
     and balanced for its own launch. row_indptr/row_parts: the schedule's merge (final row ->
     partial rows), or None when every partial row is a final row (final rows are then
     out_start[i] + k, num_rows of them). positions: (q_pos, kv_pos, kv_lo, kv_hi), to find
-    the launches that need no position mask (decode); None: both masked. force_merge: never
+    the launches that need no position mask; with kv_chunk also, in decode, the units that
+    write the new keys (None: a store launch). force_merge: never
     `direct` (a CUDA graph always runs the merge: rows whose only partial is their own merge
     one partial, and rows without one are written as zeros).
     """
@@ -184,14 +194,16 @@ def build_worklist(q_start, q_len, out_start, kv_indptr, num_rows: int, row_indp
                     max(1, cfg.block_m // group), cls) for cls, cfg in ((~wide, configs[0]),
                                                                        (wide, configs[1]))]
     causal = tuple(positions is None or needs_causal(u, *positions) for u in units)
+    flags = dict(causal=causal, stores=kv_chunk is not None and not any(causal)
+                 and mark_stores(units, q_start, q_len, kv_chunk, *positions))
     if not scratch and row_indptr is None:
-        return WorkList(*units, num_rows, None, None, direct=True, causal=causal)
+        return WorkList(*units, num_rows, None, None, direct=True, **flags)
     if not scratch:
         return WorkList(*units, int(q_len.sum()), np.asarray(row_indptr, np.int64),
-                        np.asarray(row_parts, np.int64), direct=False, causal=causal)
+                        np.asarray(row_parts, np.int64), direct=False, **flags)
     return WorkList(*units, int((num_splits * q_len).sum()),
                     *_merge_csr(q_len, out_start, num_splits, base, num_rows, row_indptr,
-                                row_parts), direct=False, causal=causal)
+                                row_parts), direct=False, **flags)
 
 
 def _range_reduce(ufunc, values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -212,8 +224,45 @@ def needs_causal(units: np.ndarray, q_pos, kv_pos, kv_lo, kv_hi) -> bool:
     return bool((key_max > row_min).any())
 
 
+def mark_stores(units: list[np.ndarray], q_start, q_len, kv_chunk, q_pos, kv_pos, kv_lo,
+                kv_hi) -> bool:
+    """Decode (no unit needs a position mask): set column `store` of the unit whose last
+    entry ends at its one row's own position -- the unit that reads that row's new key --
+    when every row of an item has exactly one such unit and no other entry holds one of
+    those keys (a row recomputing a cached token shares its slot with rows that read it: the
+    write must precede their reads, which a store launch orders). -> whether it did (if
+    not, no change)."""
+    kv_chunk, q_pos, kv_pos, kv_lo, kv_hi = (np.asarray(x, np.int64) for x in
+                                             (kv_chunk, q_pos, kv_pos, kv_lo, kv_hi))
+    own = []
+    for u in units:
+        last = u[:, 3] - 1
+        own.append((u[:, 1] == 1) & (kv_pos[last] + kv_hi[last] - kv_lo[last] - 1 == q_pos[u[:, 0]]))
+    rows = np.concatenate([u[o, 0] for u, o in zip(units, own)])
+    covered = np.zeros(len(q_pos), bool)
+    covered[np.repeat(q_start, q_len) + np.arange(int(q_len.sum()))
+            - np.repeat(_csr(q_len)[:-1], q_len)] = True
+    if not np.array_equal(np.sort(rows), np.nonzero(covered)[0]):  # a row with none, or two
+        return False
+    # the new keys (chunk, offset), by chunk; every (entry, new key in its chunk) pair
+    key_entry = np.concatenate([u[o, 3] - 1 for u, o in zip(units, own)])
+    order = np.argsort(kv_chunk[key_entry], kind="stable")
+    key_entry = key_entry[order]
+    key_chunk, key_off = kv_chunk[key_entry], kv_hi[key_entry] - 1
+    first = np.searchsorted(key_chunk, kv_chunk, "left")
+    n = np.searchsorted(key_chunk, kv_chunk, "right") - first
+    entry = np.repeat(np.arange(len(kv_chunk)), n)
+    key = np.repeat(first, n) + np.arange(int(n.sum())) - np.repeat(_csr(n)[:-1], n)
+    reads = (kv_lo[entry] <= key_off[key]) & (key_off[key] < kv_hi[entry])
+    if (reads & (entry != key_entry[key])).any():
+        return False
+    for u, o in zip(units, own):
+        u[o, 5] = u[o, 0]
+    return True
+
+
 def _units(q_start, q_len, kv_indptr, entries, num_splits, base, rows, select) -> np.ndarray:
-    """[U, 5] units of the selected items, longest first (ties: item, split, row block)."""
+    """[U, 6] units of the selected items, longest first (ties: item, split, row block)."""
     blocks = np.where(select, -(-q_len // rows), 0)
     per_item = num_splits * blocks
     item = np.repeat(np.arange(len(q_len)), per_item)
@@ -223,7 +272,8 @@ def _units(q_start, q_len, kv_indptr, entries, num_splits, base, rows, select) -
     e1 = np.minimum(e0 + entries[item], kv_indptr[item + 1])
     r0 = block * rows
     units = np.stack([q_start[item] + r0, np.minimum(rows, q_len[item] - r0), e0, e1,
-                      base[item] + split * q_len[item] + r0], axis=1).astype(np.int64)
+                      base[item] + split * q_len[item] + r0, np.full_like(e0, -1)],
+                     axis=1).astype(np.int64)
     return units[np.argsort(-(units[:, 3] - units[:, 2]), kind="stable")]
 
 
