@@ -219,7 +219,8 @@ def launch_units(q, k_cache, v_cache, q_pos, units, count, kv_chunk, kv_lo, kv_h
     assert cfg.block_m >= g, "a KV head's G query heads must fit one tile"
     k, v, slots = new_kv or (k_cache, v_cache, None)  # no store: any pointers
     if new_kv is not None:
-        assert k.shape == v.shape and k.shape[1:] == k_cache.shape[2:] and slots.shape == k.shape[:1]
+        assert k.shape == v.shape and k.shape[1:] == k_cache.shape[2:]
+        assert slots.shape == k.shape[:1]
         assert k.stride(-1) == 1 and v.stride(-1) == 1 and slots.dtype == torch.int64
     args = (q, k_cache, v_cache, q_pos, units, count, kv_chunk, kv_lo, kv_hi, kv_pos, o,
             o if lse is None else lse, k, v, q_pos if slots is None else slots,
@@ -229,7 +230,8 @@ def launch_units(q, k_cache, v_cache, q_pos, units, count, kv_chunk, kv_lo, kv_h
     meta = dict(
         HKV=hkv, G=g, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, C_PAD=next_pow2(chunk_size), CAUSAL=causal,
-        WRITE_LSE=lse is not None, STORE=new_kv is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        WRITE_LSE=lse is not None, STORE=new_kv is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # the interpreter (CPU tensors) multiplies raw bf16 bits in tl.dot (triton 3.9): upcast
         # there, exactly (the products are then of the same bf16 values, in fp32)
         DOT_FP32=q.device.type == "cpu" and q.dtype == torch.bfloat16,

@@ -70,7 +70,8 @@ class TritonKernels:
         stores = tuple(bool(wl.stores and (u[:, 5] >= 0).any()) for u in (wl.narrow, wl.wide))
         if padded:
             self._reserve_scratch(wl.num_partials)
-            if stores != self._padded_stores:  # (fixed in practice: decode tails are narrow iff G <= 16)
+            # (fixed in practice: decode tails are narrow units iff G <= 16)
+            if stores != self._padded_stores:
                 self._padded_stores = stores
                 self.generation += 1
         shapes = {f"{c}_{k}": getattr(cfg, k) for c, cfg in zip(("narrow", "wide"), configs)

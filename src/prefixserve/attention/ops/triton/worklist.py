@@ -31,9 +31,9 @@ New keys (decode). In a step where every row reads only keys at or before its ow
 each row's newest key (the one this step's store writes) is read by one unit alone: the last
 split of the row's own tail item. That unit takes the key from the step's k/v (not from the
 cache) and writes it into its slot (column `store`: the row), so the step needs no store
-launch (`stores`). Otherwise
-(prefill: a row's new key is read by later rows' units; or a row recomputes a cached token
-that others read) the executor stores first, and every `store` is -1.
+launch (`stores`). Otherwise (prefill: a row's new key is read by later rows' units; or a row
+recomputes a cached token that others read) the executor stores first, and every `store` is
+-1.
 
 Partial rows and the merge. Every split writes its own fp32 partial rows (o, lse); the final
 merge combines them with the schedule's own merge in one pass:
@@ -131,7 +131,8 @@ def _splits(q_len, num_entries, cfg: KernelConfig, group: int, num_kv_heads: int
     # split caps (tiles per split): none, or a balanced share of k waves of the grid; keep
     # the one that ends the launch first (ties: fewer work items, so fewer partials)
     best, tried = None, set()
-    for cap in [int(tiles.max(initial=1))] + [max(4, -(-total // (k * programs))) for k in (1, 2, 3, 4)]:
+    caps = [max(4, -(-total // (k * programs))) for k in (1, 2, 3, 4)]
+    for cap in [int(tiles.max(initial=1))] + caps:
         splits = -(-tiles // np.maximum(cap, floor))
         if splits.tobytes() in tried:  # caps often agree (short tails: all unsplit)
             continue
@@ -237,21 +238,26 @@ def mark_stores(units: list[np.ndarray], q_start, q_len, kv_chunk, q_pos, kv_pos
     own = []
     for u in units:
         last = u[:, 3] - 1
-        own.append((u[:, 1] == 1) & (kv_pos[last] + kv_hi[last] - kv_lo[last] - 1 == q_pos[u[:, 0]]))
+        end = kv_pos[last] + kv_hi[last] - kv_lo[last] - 1  # position of the unit's last key
+        own.append((u[:, 1] == 1) & (end == q_pos[u[:, 0]]))
     rows = np.concatenate([u[o, 0] for u, o in zip(units, own)])
     covered = np.zeros(len(q_pos), bool)
     covered[np.repeat(q_start, q_len) + np.arange(int(q_len.sum()))
             - np.repeat(_csr(q_len)[:-1], q_len)] = True
     if not np.array_equal(np.sort(rows), np.nonzero(covered)[0]):  # a row with none, or two
         return False
-    # the new keys (chunk, offset), by chunk; every (entry, new key in its chunk) pair
+    # the new keys (chunk, offset), by chunk; every (entry, new key in its chunk) pair, over
+    # the entries of chunks that hold a new key (a lookup: the plan's other entries, a
+    # shared prefix listed once per row by Paged, cost no search)
     key_entry = np.concatenate([u[o, 3] - 1 for u, o in zip(units, own)])
-    order = np.argsort(kv_chunk[key_entry], kind="stable")
-    key_entry = key_entry[order]
+    key_entry = key_entry[np.argsort(kv_chunk[key_entry], kind="stable")]
     key_chunk, key_off = kv_chunk[key_entry], kv_hi[key_entry] - 1
-    first = np.searchsorted(key_chunk, kv_chunk, "left")
-    n = np.searchsorted(key_chunk, kv_chunk, "right") - first
-    entry = np.repeat(np.arange(len(kv_chunk)), n)
+    holds = np.zeros(int(kv_chunk.max(initial=0)) + 1, bool)
+    holds[key_chunk] = True
+    cand = np.nonzero(holds[kv_chunk])[0]
+    first = np.searchsorted(key_chunk, kv_chunk[cand], "left")
+    n = np.searchsorted(key_chunk, kv_chunk[cand], "right") - first
+    entry = np.repeat(cand, n)
     key = np.repeat(first, n) + np.arange(int(n.sum())) - np.repeat(_csr(n)[:-1], n)
     reads = (kv_lo[entry] <= key_off[key]) & (key_off[key] < kv_hi[entry])
     if (reads & (entry != key_entry[key])).any():
