@@ -204,6 +204,28 @@ def test_backends_on_triton_match_dense(seed, dtype, head_dim, group, chunk, pre
         assert torch.equal(flat[case.batch.slots], case.k.to(dtype)), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_units_that_store_use_the_new_keys_as_the_cache_holds_them(dtype):
+    """New keys given in fp32, between two values of the cache's dtype: the units that write
+    them attend with them rounded to it, as a store launch writes them and later steps read
+    them -- the same output as for the keys given in the cache's dtype."""
+    case = tree_case(108, dtype, 64, 20, 16, False)
+    # a relative nudge under half an ulp: the same cache values, other fp32 products
+    nudge = 1 + 2.0 ** -({torch.float16: 10, torch.bfloat16: 7}[dtype] + 2)  # mantissa bits + 2
+    k, v = case.k.float() * nudge, case.v.float() * nudge
+    assert torch.equal(k.to(dtype), case.k) and not torch.equal(k, case.k.float())
+    outs = []
+    for new_k, new_v in ((case.k, case.v), (k, v)):
+        backend = RelayBackend(case.shape, kernels=tops.TritonKernels(case.shape, sms=3))
+        backend.plan(case.batch)
+        assert backend.current.extra["stores"]
+        k_cache, v_cache = to_dev(case.k_cache.clone(), case.v_cache.clone())
+        outs.append(backend.run(*to_dev(case.q, new_k, new_v), k_cache, v_cache).cpu())
+        flat = k_cache.view(-1, *k_cache.shape[2:]).cpu()
+        assert torch.equal(flat[case.batch.slots], case.k)
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("seed,dtype,head_dim,group,chunk,prefill",
                          [c for c in BACKEND_CASES if not c[-1]])  # graphs replay decode steps
 def test_padded_batches_on_triton_match_dense(seed, dtype, head_dim, group, chunk, prefill):

@@ -143,7 +143,7 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
             k_pos = tl.load(kv_pos + e) + slot - lo
             base = tl.load(kv_chunk + e).to(tl.int64) * chunk_size * row_stride + head_off
             # offsets from the tile's slots, not a hoisted [BLOCK_N, BLOCK_D] offset tile:
-            # 2-3% less time on the wide launch (H200; kernels-notes.md v9)
+            # 1-3.5% less time on the wide launch (H200; kernels-notes.md v9)
             tile_off = (slot * row_stride)[:, None] + d[None, :]
             kv_mask = _rows_mask(key_ok, col_ok, BLOCK_D == HEAD_DIM)
             kt = tl.load(k_cache + base + tile_off, mask=kv_mask, other=0.0)
@@ -171,9 +171,11 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
 
     if STORE:
         if t >= 0:  # the new key: one more online-softmax step (q_len 1: rows m < G, fp32);
-            # loaded only now, so that its registers are free during the walk
+            # loaded only now, so that its registers are free during the walk, and rounded to
+            # the cache's dtype first, as the store launch writes it and later steps read it
             kn = tl.load(k_new + t * stride_kt + h * stride_kh + d, mask=d < HEAD_DIM)
             vn = tl.load(v_new + t * stride_vt + h * stride_vh + d, mask=d < HEAD_DIM)
+            kn, vn = kn.to(k_cache.dtype.element_ty), vn.to(v_cache.dtype.element_ty)
             s_new = tl.sum(qt.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * scale_log2
             m_new = tl.maximum(m_i, s_new)
             alpha = tl.exp2(m_i - m_new)
@@ -182,8 +184,8 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
             acc = acc * alpha[:, None] + p_new[:, None] * vn.to(tl.float32)[None, :]
             m_i = m_new
             dst = tl.load(slots + t) * row_stride + head_off + d  # [BLOCK_D]
-            tl.store(k_cache + dst, kn.to(k_cache.dtype.element_ty), mask=d < HEAD_DIM)
-            tl.store(v_cache + dst, vn.to(v_cache.dtype.element_ty), mask=d < HEAD_DIM)
+            tl.store(k_cache + dst, kn, mask=d < HEAD_DIM)
+            tl.store(v_cache + dst, vn, mask=d < HEAD_DIM)
 
     seen = l_i > 0.0
     o_tile = acc / tl.where(seen, l_i, 1.0)[:, None]
