@@ -100,8 +100,8 @@ def build_rank(cfg: EngineConfig, tp: TPGroup) -> RankState:
         num_chunks = num_chunks.to(device)
         dist.all_reduce(num_chunks, op=dist.ReduceOp.MIN)
     pool = ChunkPool(m.num_layers, int(num_chunks), chunk_size, kv_heads, m.head_dim, dtype, device)
-    shape = AttentionShape(tp.part(m.num_heads, "num_heads"), kv_heads, m.head_dim, m.head_dim ** -0.5,
-                           dtype, device)
+    shape = AttentionShape(tp.part(m.num_heads, "num_heads"), kv_heads, m.head_dim, m.attn_scale,
+                           dtype, device, m.sliding_window if m.sliding_layers else None)
     state = RankState(tp, device, dtype, src, model, pool, create_backend(cfg.attention_backend, shape))
     if cuda and not cfg.enforce_eager:
         if tp.size == 1:

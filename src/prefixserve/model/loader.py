@@ -78,9 +78,19 @@ def resolve(cfg: EngineConfig) -> ModelSource:
     return ModelSource(name, json.loads((path / "config.json").read_text()), path, False)
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index (model.safetensors.index.json)
+    names when there is one (a folder may hold other *.safetensors, e.g. consolidated
+    copies of the same weights), else all of them."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return sorted(folder.glob("*.safetensors"))
+
+
 def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
-    for file in sorted(glob.glob(str(src.folder / "*.safetensors"))):
+    for file in weight_files(src.folder):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
@@ -88,39 +98,22 @@ def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(src: ModelSource, dtype: torch.dtype, device: torch.device, seed: int,
                tp: TPGroup = TPGroup()):
-    from .llama import LlamaForCausalLM
+    from .registry import model_class
     mcfg = ModelConfig.from_hf(src.config)
     with torch.device(device):
-        model = LlamaForCausalLM(mcfg, tp).to(dtype)
-    weights = dummy_weights(mcfg, seed, dtype, device) if src.dummy else iter_weights(src)
+        model = model_class(mcfg.architecture)(mcfg, tp).to(dtype)
+    weights = dummy_weights(model, seed, dtype, device) if src.dummy else iter_weights(src)
     model.load_weights(weights)
     return model.eval()
 
 
-def dummy_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype,
+def dummy_weights(model, seed: int, dtype: torch.dtype,
                   device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full-size random weights by HF name, each from its own seeded generator, so every
-    tensor-parallel rank slices the same model. Speed does not depend on their values; the
-    scale (std 0.02, norms 1) keeps activations finite."""
-    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for n in range(cfg.num_layers):
-        p = f"model.layers.{n}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (cfg.num_heads * d, h),
-            p + "self_attn.k_proj.weight": (cfg.num_kv_heads * d, h),
-            p + "self_attn.v_proj.weight": (cfg.num_kv_heads * d, h),
-            p + "self_attn.o_proj.weight": (h, cfg.num_heads * d),
-            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i)})
-        if cfg.attention_bias:
-            for x, rows in (("q", cfg.num_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
-                shapes[p + f"self_attn.{x}_proj.bias"] = (rows * d,)
+    """Full-size random weights by HF name (`model.hf_weight_shapes()`), each from its own
+    seeded generator, so every tensor-parallel rank slices the same model. Speed does not
+    depend on their values; the scale (std 0.02, norms 1) keeps activations finite."""
     gen = torch.Generator(device=device)
-    for k, (name, shape) in enumerate(shapes.items()):
+    for k, (name, shape) in enumerate(model.hf_weight_shapes().items()):
         if name.endswith("norm.weight"):
             yield name, torch.ones(shape, dtype=dtype, device=device)
             continue
@@ -129,9 +122,12 @@ def dummy_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype,
 
 
 def load_tokenizer(src: ModelSource, tokenizer: str | None):
+    """The tokenizer named, else the model folder's; None (prompts must be token ids) when
+    neither is given and the folder holds no tokenizer file (a weights-only checkpoint)."""
     from transformers import AutoTokenizer
     where = tokenizer or src.folder
-    if where is None:
+    if tokenizer is None and (where is None or not any((where / f).exists() for f in _TOKENIZER_FILES)):
+        log.info("no tokenizer beside the model (%s); prompts must be token ids", where)
         return None
     try:
         return AutoTokenizer.from_pretrained(str(where))
