@@ -30,3 +30,8 @@ def gemma3(tmp_path_factory):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gemma3_matches_transformers(gemma3, backend, prefix_caching):
     check_engine(gemma3, backend, prefix_caching)
+
+
+def test_tensor_parallel_2_matches_transformers(gemma3):
+    """Two gloo ranks: heads, the vocabulary and every MLP's intermediate dimension split."""
+    check_engine(gemma3, "auto", True, tensor_parallel_size=2)

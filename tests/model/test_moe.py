@@ -13,6 +13,7 @@ uses the derived bound with a factor 2 margin for the silu and weight roundings.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -117,3 +118,18 @@ def test_route_renormalizes_top_k():
     assert ids.tolist() == [[3, 2]] and torch.allclose(w.sum(), torch.tensor(1.0))
     w, _ = moe.route(logits, 2, renormalize=False)
     assert w.sum().item() < 0.95
+
+
+def test_bench_function_runs_on_a_tiny_config(tmp_path):
+    """The GPU benchmark's function, on the CPU: its per-expert baseline is HF's loop (equal
+    to the fused op in fp32), and each row carries its limit."""
+    from prefixserve.bench.moe import hf_expert_loop, moe_step_timing
+    x, w13, w2, weights, ids = (a.cpu() for a in moe_inputs(9, 32, 16, 6, 3, torch.float32, seed=6))
+    assert torch.equal(hf_expert_loop(x, w13, w2, weights, ids), moe.fused_moe(x, w13, w2, weights, ids))
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 16, "hidden_size": 32,
+           "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+           "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    rows = moe_step_timing(tmp_path / "c.json", tokens=(4,), device="cpu", dtype=torch.float32)
+    assert rows[0]["tokens"] == 4 and rows[0]["flops"] == 6 * 4 * 2 * 16 * 32
+    assert rows[0]["limit_us"] > 0 and rows[0]["fused_us"] > 0

@@ -33,3 +33,8 @@ def test_checkpoint_is_sharded_and_mixes_dense_and_sparse_layers(qwen3_moe):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_qwen3_moe_matches_transformers(qwen3_moe, backend, prefix_caching):
     check_engine(qwen3_moe, backend, prefix_caching)
+
+
+def test_tensor_parallel_2_matches_transformers(qwen3_moe):
+    """Two gloo ranks: heads, the vocabulary and every expert's intermediate dimension split."""
+    check_engine(qwen3_moe, "auto", True, tensor_parallel_size=2)

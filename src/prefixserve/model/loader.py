@@ -121,6 +121,9 @@ def dummy_weights(model, seed: int, dtype: torch.dtype,
         yield name, torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(src: ModelSource, tokenizer: str | None):
     """The tokenizer named, else the model folder's; None (prompts must be token ids) when
     neither is given and the folder holds no tokenizer file (a weights-only checkpoint)."""
