@@ -40,10 +40,11 @@ class Reference:
 
 
 def save_checkpoint(hf_config, folder: Path, seed: int, norm_center: float = 1.0,
-                    max_shard_size: str | None = None):
+                    max_shard_size: str | None = None, dtype: torch.dtype = torch.float32):
     """A transformers model from `hf_config` with seeded unit-gain weights, saved in `folder`
-    (safetensors, sharded with an index if max_shard_size); returns the model (fp32, eval).
-    norm_center: the norms' weights are norm_center + N(0, 0.1) (0 for (1 + w) norms)."""
+    (safetensors in `dtype`, sharded with an index if max_shard_size); returns the model with
+    those weights, in fp32. norm_center: the norms' weights are norm_center + N(0, 0.1) (0 for
+    (1 + w) norms)."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
@@ -56,7 +57,11 @@ def save_checkpoint(hf_config, folder: Path, seed: int, norm_center: float = 1.0
             else:
                 p.copy_(noise / math.sqrt(1 if "embed" in name else p.shape[-1]))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(folder, **kwargs)
+    with torch.no_grad():  # the weights as saved (every 16-bit value is an fp32 value);
+        for p in model.parameters():  # buffers (inv_freq) stay fp32
+            p.copy_(p.to(dtype))
+    state = {k: v.to(dtype) for k, v in model.state_dict().items()}
+    model.save_pretrained(folder, state_dict=state, **kwargs)
     model.generation_config.eos_token_id = None  # compared with ignore_eos=True
     return model
 
@@ -90,11 +95,12 @@ def check_engine(ref: Reference, backend: str, prefix_caching: bool, **engine_kw
               chunk_size=CHUNK_SIZE, kv_cache_memory=16 << 20, device="cpu", **engine_kwargs)
     params = SamplingParams(temperature=0, n=2, max_tokens=NEW_TOKENS, ignore_eos=True,
                             logprobs=3)
-    for round in range(2):
-        outs = run_checked(llm, ref.prompts, params)
-        for out, greedy, first in zip(outs, ref.greedy, ref.first_logprobs):
-            assert [c.token_ids for c in out.outputs] == [greedy, greedy], (backend, prefix_caching)
-            for token, lp in out.outputs[0].logprobs[0].items():
-                assert abs(lp.logprob - first[token].item()) <= LOGPROB_TOL, (token, lp, first[token])
-            if round == 1 and prefix_caching:  # the prefix (at least) came from the cache
-                assert out.num_cached_tokens >= PREFIX_LEN
+    with llm:  # closes tensor-parallel workers and their process group
+        for round in range(2):
+            outs = run_checked(llm, ref.prompts, params)
+            for out, greedy, first in zip(outs, ref.greedy, ref.first_logprobs):
+                assert [c.token_ids for c in out.outputs] == [greedy, greedy], (backend, prefix_caching)
+                for token, lp in out.outputs[0].logprobs[0].items():
+                    assert abs(lp.logprob - first[token].item()) <= LOGPROB_TOL, (token, lp)
+                if round == 1 and prefix_caching:  # the prefix (at least) came from the cache
+                    assert out.num_cached_tokens >= PREFIX_LEN
