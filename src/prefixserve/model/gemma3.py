@@ -97,7 +97,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)
         self.cfg, self.tp = cfg, tp
         self.embed_tokens = VocabEmbedding(cfg, tp)
-        self.embed_scale = math.sqrt(cfg.hidden_size)
+        # sqrt(H) as HF holds it: an fp32 buffer, rounded to the activations' dtype when used
+        self.register_buffer("embed_scale", torch.tensor(math.sqrt(cfg.hidden_size)), persistent=False)
         full = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling),
                                cfg.max_position_embeddings)
         local = RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta, {},
@@ -112,7 +113,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids, positions, attn, k_caches, v_caches):
         """input_ids, positions: [T]; k_caches: [L, num_chunks, C, Hkv, D] -> hidden [T, hidden]."""
         h = self.embed_tokens(input_ids)
-        h = h * torch.tensor(self.embed_scale, dtype=h.dtype)  # sqrt(H) rounded to the dtype
+        h = h * self.embed_scale.to(h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, positions, attn, k_caches[i], v_caches[i])
         return self.norm(h)

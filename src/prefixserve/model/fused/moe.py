@@ -77,7 +77,9 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int,
     """
     flat = topk_ids.reshape(-1)
     pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # (bincount would read the largest id back to size its output: not capturable)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
