@@ -33,7 +33,7 @@ LOGPROB_TOL = 1e-4
 
 @dataclasses.dataclass(frozen=True)
 class Reference:
-    folder: Path
+    folder: Path  # what prefixserve loads: a checkpoint folder or a GGUF file
     prompts: list[list[int]]
     greedy: list[list[int]]  # transformers' greedy continuation of each prompt
     first_logprobs: list[torch.Tensor]  # [vocab] fp32 log-softmax at each prompt's last token
@@ -74,8 +74,12 @@ def make_prompts(vocab: int, seed: int) -> list[list[int]]:
 
 
 def reference(hf_config, folder: Path, seed: int, **save_kwargs) -> Reference:
-    model = save_checkpoint(hf_config, folder, seed, **save_kwargs)
-    prompts = make_prompts(hf_config.get_text_config().vocab_size, seed)
+    return greedy_reference(save_checkpoint(hf_config, folder, seed, **save_kwargs), folder, seed)
+
+
+def greedy_reference(model, source: Path, seed: int) -> Reference:
+    """transformers' outputs of `model` on the prompts; `source`: what prefixserve loads."""
+    prompts = make_prompts(model.config.get_text_config().vocab_size, seed)
     greedy, first = [], []
     with torch.no_grad():
         for p in prompts:
@@ -85,7 +89,7 @@ def reference(hf_config, folder: Path, seed: int, **save_kwargs) -> Reference:
             greedy.append(out[0, len(p):].tolist())
             logits = model(torch.tensor([p])).logits[0, -1].float()
             first.append(torch.log_softmax(logits, dim=-1))
-    return Reference(folder, prompts, greedy, first)
+    return Reference(source, prompts, greedy, first)
 
 
 def check_engine(ref: Reference, backend: str, prefix_caching: bool, **engine_kwargs) -> None:

@@ -4,7 +4,9 @@ A GGUF file is converted once into an HF-style folder in the cache (config.json,
 files, model.safetensors with the dequantized weights), so a second start reads safetensors
 and takes seconds. Dequantization and the Q/K head permutation are exactly transformers'
 (gguf-py's `dequantize`, llama.cpp's permutation undone), so the weights are bit-identical to
-`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`. Pickle checkpoints are refused.
+`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`; other families' GGUFs (those
+transformers reads: Qwen2/3, Gemma 3; not MoE) go through transformers' own reader.
+Pickle checkpoints are refused.
 """
 
 from __future__ import annotations
@@ -163,8 +165,15 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
 
     folder, fname = str(gguf_path.parent), gguf_path.name
     hf_cfg = AutoConfig.from_pretrained(folder, gguf_file=fname)
+    if not hf_cfg.architectures:  # GGUFs name a model type only: the registry needs the class
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        hf_cfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_cfg.model_type]]
     hf_cfg.save_pretrained(out)
-    AutoTokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(out)
+    if _has_tokenizer(gguf_path):
+        AutoTokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(out)
+    if hf_cfg.model_type not in ("llama", "mistral"):
+        save_file(_family_tensors(gguf_path, hf_cfg), str(out / "model.safetensors"))
+        return
     heads, kv_heads = hf_cfg.num_attention_heads, hf_cfg.num_key_value_heads
     tensors = {}
     reader = gguf.GGUFReader(str(gguf_path))
@@ -176,6 +185,27 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
             w = _unpermute(w, kv_heads)
         tensors[_hf_name(t.name)] = torch.from_numpy(w.copy())
     save_file(tensors, str(out / "model.safetensors"))
+
+
+def _has_tokenizer(gguf_path: Path) -> bool:
+    import gguf
+    return "tokenizer.ggml.model" in gguf.GGUFReader(str(gguf_path)).fields
+
+
+def _family_tensors(gguf_path: Path, hf_cfg) -> dict[str, torch.Tensor]:
+    """The weights of a non-Llama GGUF (Qwen2/3, Gemma 3, ...) by HF name, as transformers
+    reads them (its tensor processors: no q/k permutation, Gemma's norms - 1)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    if hf_cfg.model_type.endswith("_moe"):  # its gate and up experts land in one tensor, the
+        # second overwriting the first (a size mismatch in from_pretrained): nothing to trust
+        raise ValueError(f"{gguf_path.name}: GGUF files of {hf_cfg.model_type} models are not "
+                         "supported (transformers misreads their experts); use the safetensors "
+                         "checkpoint")
+    with torch.device("meta"):  # only its parameter names are read
+        names = AutoModelForCausalLM.from_config(hf_cfg)
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=names)["tensors"]
+    return {name: t.contiguous() for name, t in tensors.items()}
 
 
 def _unpermute(w, n_head: int):
