@@ -60,12 +60,18 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         return {"id": state.cfg.served_model_name, "object": "model", "created": state.started,
                 "owned_by": "prefixserve", "max_model_len": state.engine.max_model_len}
 
+    def check_alive() -> None:
+        if state.engine.failure is not None:
+            raise APIError(503, state.engine.failure, None, "engine_unavailable")
+
     @app.get("/v1/models")
     async def models():
+        check_alive()
         return {"object": "list", "data": [card()]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
+        check_alive()
         if model != state.cfg.served_model_name:
             raise APIError(404, f"the model `{model}` does not exist", "model", "model_not_found")
         return card()
