@@ -114,7 +114,9 @@ class LLMEngine:
         try:
             return self._step()
         except Exception as e:
-            if self.workers is not None or isinstance(e, torch.AcceleratorError):
+            if self.workers is not None:
+                raise self.workers.failure(e) from e
+            if isinstance(e, torch.AcceleratorError):
                 raise
             log.exception("a step failed; its requests end with finish_reason %r", STEP_ERROR)
             return self._fail_step()
