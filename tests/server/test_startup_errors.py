@@ -57,6 +57,10 @@ def test_a_busy_port_is_refused_before_the_model_loads(busy_port):
     assert "KV cache:" not in out.stderr and seconds < NO_MODEL_NEEDED_S
 
 
-def test_a_kv_cache_too_small_for_one_sequence():
-    out, _ = serve("--port", str(free_port()), "--kv-cache-memory", str(1 << 20))
-    assert out.returncode == 2 and "cannot hold a single sequence; raise kv_cache_memory" in last_error_line(out)
+@pytest.mark.parametrize("memory, message", [
+    (1 << 20, "the KV cache holds 0 chunks; give it more memory"),
+    (2 * 737280, "cannot hold a single sequence; raise kv_cache_memory"),  # 2 chunks of 16 tokens: 1 + a spare
+])
+def test_a_kv_cache_too_small_for_one_sequence(memory, message):
+    out, _ = serve("--port", str(free_port()), "--kv-cache-memory", str(memory))
+    assert out.returncode == 2 and message in last_error_line(out), out.stderr[-3000:]

@@ -37,7 +37,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> Fast
 
     app = FastAPI(title="prefixserve", version=__version__, lifespan=lifespan,
                   openapi_url=None, docs_url=None, redoc_url=None)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=cfg.limits.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=cfg.limits.max_body_bytes, timeout=cfg.body_timeout)
     if cfg.api_key is not None:
         app.add_middleware(AuthMiddleware, api_key=cfg.api_key)  # added last: runs first
     errors.install(app, on_error=metrics.count_error)

@@ -31,6 +31,8 @@ def register(sub) -> None:
                         "start and never evicted (repeatable; the file's final newlines are dropped)")
     p.add_argument("--health-stall-timeout", type=float, default=ServerConfig.health_stall_timeout,
                    help="seconds with work but no finished step before /health answers 503")
+    p.add_argument("--request-body-timeout", type=float, default=ServerConfig.body_timeout,
+                   help="seconds a client gets to send its whole request body before a 408")
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="on SIGINT/SIGTERM, seconds in-flight requests get before they are aborted")
     g = p.add_argument_group("limits (a request over one is refused with a 4xx)")
@@ -54,7 +56,8 @@ def serve(args: argparse.Namespace) -> int:
     limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     # validated now, before the model loads; the default model name is known only after
-    cfg = ServerConfig(args.served_model_name or "pending", api_key, limits, args.health_stall_timeout)
+    cfg = ServerConfig(args.served_model_name or "pending", api_key, limits, args.health_stall_timeout,
+                       args.request_body_timeout)
     pins = [_read(path) for path in args.pin_system_prompt]  # fail before the model loads
     if cfg.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without an API key", args.host)
