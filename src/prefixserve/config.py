@@ -222,6 +222,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
+    tp_join_timeout: float = 120.0  # seconds for every worker to start and join the rendezvous
     enforce_eager: bool = False  # CUDA: run decode steps without CUDA graphs
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -233,6 +234,8 @@ class EngineConfig:
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if not (isinstance(self.tp_join_timeout, (int, float)) and self.tp_join_timeout > 0):
+            raise ValueError(f"tp_join_timeout must be a number of seconds > 0, got {self.tp_join_timeout!r}")
         if self.load_format == "dummy" and self.model is None:
             raise ValueError("load_format='dummy' needs model= naming a config.json or its folder")
 

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import pathlib
+import socket
 
 from .config import LIMIT_HELP, ServerConfig, ServerLimits
 
@@ -21,7 +22,7 @@ def register(sub) -> None:
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, "
                                    "/metrics and /version over HTTP.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer KEY` on every route but "
                    f"GET /health (default: ${API_KEY_ENV}; neither set: no auth)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's)")
@@ -30,6 +31,8 @@ def register(sub) -> None:
                         "start and never evicted (repeatable; the file's final newlines are dropped)")
     p.add_argument("--health-stall-timeout", type=float, default=ServerConfig.health_stall_timeout,
                    help="seconds with work but no finished step before /health answers 503")
+    p.add_argument("--request-body-timeout", type=float, default=ServerConfig.body_timeout,
+                   help="seconds a client gets to send its whole request body before a 408")
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="on SIGINT/SIGTERM, seconds in-flight requests get before they are aborted")
     g = p.add_argument_group("limits (a request over one is refused with a 4xx)")
@@ -53,20 +56,37 @@ def serve(args: argparse.Namespace) -> int:
     limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     # validated now, before the model loads; the default model name is known only after
-    cfg = ServerConfig(args.served_model_name or "pending", api_key, limits, args.health_stall_timeout)
+    cfg = ServerConfig(args.served_model_name or "pending", api_key, limits, args.health_stall_timeout,
+                       args.request_body_timeout)
     pins = [_read(path) for path in args.pin_system_prompt]  # fail before the model loads
+    if cfg.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without an API key", args.host)
+    sock = _bind(args.host, args.port)  # a busy port or a foreign address fails before the model loads
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
     if args.served_model_name is None:
         cfg = dataclasses.replace(cfg, served_model_name=engine.model_name)
     for path, text in zip(args.pin_system_prompt, pins):
         _pin(engine, path, text)
-    if cfg.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("listening on %s without an API key", args.host)
     metrics = Metrics(cfg.served_model_name, engine.backend.name)
     async_engine = AsyncEngine(engine, observer=metrics)
     metrics.watch(lambda: async_engine.snapshot)
     app = create_app(async_engine, cfg, metrics)
-    return run(app, async_engine, args.host, args.port, args.shutdown_timeout)
+    return run(app, async_engine, sock, args.shutdown_timeout)
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"--port must be in [1, 65535], got {port}")
+    return port
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
 
 
 def _read(path: str) -> str:
