@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import importlib
 
+from .options import ROUTERS
+
 _PREFIX_ROUTER_PATHS = (
     "ray.serve.llm.request_router",
     "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router",
 )
-ROUTERS = ("prefix", "pow2")
 
 
 def prefix_router_class() -> type:
