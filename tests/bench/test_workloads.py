@@ -91,7 +91,8 @@ def test_multi_tenant_distinct_system_prompts_interleaved(src):
         assert p[:96] == systems[t] and len(p) > 96
     assert all(_common(systems[a], systems[b]) < 8 for a in systems for b in systems if a != b), \
         "tenants share no prefix beyond their first words"
-    assert W.ideal_cached_tokens(wl) == (12 - 4) * 96
+    ideal = W.ideal_cached_tokens(wl)
+    assert (12 - 4) * 96 <= ideal < (12 - 4) * 96 + 12 * 8, "each tenant's later requests hit its system prompt"
     other_run = W.multi_tenant(src, tenants=4, system_prompt_len=96, num_prompts=12, max_output_len=16, run=1)
     assert all(_common(a, b) < 8 for a in other_run.prompts for b in wl.prompts), "a run's tenants are its own"
     with pytest.raises(ValueError, match="tenants"):

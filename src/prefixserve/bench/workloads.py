@@ -167,9 +167,22 @@ def multi_tenant(src: TokenSource, tenants: int, system_prompt_len: int, num_pro
 
 
 def ideal_cached_tokens(wl: Workload) -> int:
-    """Prompt tokens a perfect router and cache would serve from the cache: every request after
-    its tenant's first reads the tenant's whole system prompt (and nothing else is shared)."""
-    return (len(wl.tenants) - len(set(wl.tenants))) * wl.shared_prefix_len
+    """Prompt tokens one cache that kept everything would serve, requests in order: each one's
+    longest common prefix with an earlier prompt. For multi-tenant that is, after a tenant's
+    first request, its whole system prompt (and the few tokens every question starts with)."""
+    total = 0
+    for i, prompt in enumerate(wl.prompts):
+        total += max((_common_prefix(prompt, earlier) for earlier in wl.prompts[:i]), default=0)
+    return total
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def synthetic(src: TokenSource, system_prompt_len: int, num_prompts: int, prompt_len: int,
