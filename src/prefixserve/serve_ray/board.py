@@ -8,9 +8,11 @@ within that time, and its restarted successor reports under its own replica id.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
@@ -18,45 +20,59 @@ REPORT_INTERVAL_S = 1.0
 STALE_S = 5.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Report:
+    node: str              # the host the replica runs on
+    pid: int               # its process
+    problem: str | None    # why it cannot serve, None when it can
+    metrics: str           # its /metrics text
+
+
 class Board:
     """A Ray actor (made one by launch.py): replica id -> its latest report."""
 
     def __init__(self):
-        self._reports: dict[str, tuple[float, str | None, str]] = {}
+        self._reports: dict[str, tuple[float, Report]] = {}
 
-    def report(self, replica: str, problem: str | None, metrics_text: str) -> None:
-        self._reports[replica] = (time.monotonic(), problem, metrics_text)
+    def report(self, replica: str, report: Report) -> None:
+        self._reports[replica] = (time.monotonic(), report)
 
-    def read(self) -> dict[str, tuple[str | None, str]]:
-        """The fresh reports: replica id -> (health problem or None, Prometheus text)."""
+    def read(self) -> dict[str, Report]:
+        """The fresh reports, by replica id."""
         now = time.monotonic()
-        return {r: (problem, text) for r, (t, problem, text) in self._reports.items() if now - t <= STALE_S}
+        return {r: report for r, (t, report) in self._reports.items() if now - t <= STALE_S}
 
 
-def health(reports: dict[str, tuple[str | None, str]]) -> str | None:
+def health(reports: dict[str, Report]) -> str | None:
     """None when at least one replica can serve; else why none can."""
-    if any(problem is None for problem, _ in reports.values()):
+    if any(r.problem is None for r in reports.values()):
         return None
     if not reports:
         return "no replica is running"
-    return "no replica can serve: " + "; ".join(f"{r}: {p}" for r, (p, _) in sorted(reports.items()))
+    return "no replica can serve: " + "; ".join(f"{name}: {r.problem}" for name, r in sorted(reports.items()))
 
 
-def merged_metrics(reports: dict[str, tuple[str | None, str]]) -> tuple[bytes, str]:
+def merged_metrics(reports: dict[str, Report]) -> tuple[bytes, str]:
     registry = CollectorRegistry()
-    registry.register(_Merged({r: text for r, (_, text) in reports.items()}))
+    registry.register(_Merged(reports))
     return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
 class _Merged(Collector):
-    """Each replica's families, one family per name, every sample labelled with its replica."""
+    """Each replica's families, one family per name, every sample labelled with its replica;
+    and `prefixserve_replica{replica, node, pid}`, which process each replica is."""
 
-    def __init__(self, texts: dict[str, str]):
-        self.texts = texts
+    def __init__(self, reports: dict[str, Report]):
+        self.reports = reports
 
     def collect(self):
+        where = GaugeMetricFamily("prefixserve_replica", "the replicas reporting now (1 each), and where they "
+                                  "run", labels=["replica", "node", "pid"])
+        for replica, r in sorted(self.reports.items()):
+            where.add_metric([replica, r.node, str(r.pid)], 1)
+        yield where
         families = {}
-        for replica, text in sorted(self.texts.items()):
+        for replica, text in sorted((name, r.metrics) for name, r in self.reports.items()):
             for family in text_string_to_metric_families(text):
                 merged = families.setdefault(family.name, family)
                 samples = [s._replace(labels={**s.labels, "replica": replica}) for s in family.samples]

@@ -10,11 +10,13 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 from typing import AsyncIterator
 
 from starlette.types import Message
 
-from .board import REPORT_INTERVAL_S
+from .board import REPORT_INTERVAL_S, Report
 from .bridge import ASGIBridge, HTTPCall
 
 log = logging.getLogger(__name__)
@@ -49,10 +51,10 @@ class EngineReplica:
 
     async def _report_forever(self) -> None:
         while True:
-            problem = self.engine.health(self.cfg.health_stall_timeout)
-            text = (await self._metrics_text())
+            report = Report(socket.gethostname(), os.getpid(), self.engine.health(self.cfg.health_stall_timeout),
+                            await self._metrics_text())
             try:
-                await self._board.report.remote(self.name, problem, text)
+                await self._board.report.remote(self.name, report)
             except Exception as e:  # noqa: BLE001 - the board is gone at shutdown; keep serving
                 log.warning("replica %s could not report: %r", self.name, e)
             await asyncio.sleep(REPORT_INTERVAL_S)
