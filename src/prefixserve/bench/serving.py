@@ -60,7 +60,7 @@ def register(sub) -> None:
                    help="start each server with `--replicas N` (Ray Serve; default: one process)")
     p.add_argument("--routers", type=_router_list, default=["prefix", "pow2"],
                    help="with --replicas: one server per router, comma-separated (prefix, pow2)")
-    p.add_argument("--server-flags", type=shlex.split, default=[],
+    p.add_argument("--server-flags", default="",
                    help="more flags for each started server, one string (e.g. \"--cpus-per-replica 0.5\")")
     p.add_argument("--request-rate", type=R.float_list, default=[1.0, 2.0, 4.0, 8.0],
                    help="requests per second, list (inf = all at once)")
@@ -141,7 +141,7 @@ def _router_list(text: str) -> list[str]:
 def scale_out_flags(args, router: str | None) -> list[str]:
     """`serve` flags for --replicas (with this router) and --server-flags."""
     flags = ["--replicas", str(args.replicas), "--router", router or args.routers[0]] if args.replicas else []
-    return flags + args.server_flags
+    return flags + shlex.split(args.server_flags)
 
 
 @contextlib.contextmanager
