@@ -24,12 +24,19 @@ def test_partitions_never_share_a_prefix():
 
 
 def test_completion_prompts_text_and_token_ids():
-    assert routing_key("", json.dumps({"prompt": "abc"}).encode()) == "\x00abc"
-    assert routing_key("", json.dumps({"prompt": [1, 22, 3]}).encode()) == "\x001 22 3"
-    assert routing_key("", json.dumps({"prompt": [[5, 6]]}).encode()) == "\x005 6"
+    assert routing_key("", json.dumps({"prompt": "abc"}).encode()) == "\x00\x00abc"
+    assert routing_key("", json.dumps({"prompt": [1, 22, 3]}).encode()) == "\x00\x001 22 3"
+    assert routing_key("", json.dumps({"prompt": [[5, 6]]}).encode()) == "\x00\x005 6"
+
+
+def test_the_cache_salt_splits_a_partition():
+    a = routing_key("p", json.dumps({"prompt": "abc", "cache_salt": "s1"}).encode())
+    b = routing_key("p", json.dumps({"prompt": "abc", "cache_salt": "s2"}).encode())
+    assert a == "p\x00s1\x00abc" and b == "p\x00s2\x00abc"
 
 
 def test_malformed_bodies_route_by_partition_alone():
-    for body in (b"not json", b"[1, 2]", b'{"messages": "x"}', b"\xff"):
+    for body in (b"not json", b"[1, 2]", b"\xff"):
         assert routing_key("p", body) == "p\x00"
+    assert routing_key("p", b'{"messages": "x", "cache_salt": 7}') == "p\x00\x00"
     assert api_key_identity(None) == ""

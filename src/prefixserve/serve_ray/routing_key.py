@@ -2,12 +2,12 @@
 partitions the KV cache (the API key's identity today, the tenant and `cache_salt` once tenancy
 exists) is part of it in one place.
 
-    key = partition + "\\x00" + prompt text        (messages: "role\\x1fcontent\\x1e" each;
-                                                   token ids: decimal, space-separated)
+    key = partition + "\\x00" + cache_salt + "\\x00" + prompt text
+          (messages: "role\\x1fcontent\\x1e" each; token ids: decimal, space-separated)
 
-The partition leads, so two partitions never share a key prefix: a request is never sent to a
-replica for another partition's cached prompt (and the router's tree holds no raw API key, only
-a hash of it). A body that is not a well-formed request gets the partition alone as its key; the
+The partition leads, then the body's `cache_salt` (issue 21: it splits a tenant's cache
+further), so two partitions never share a key prefix: a request is never sent to a replica for
+another partition's cached prompt (and the router's tree holds no raw API key, only a hash). A body that is not a well-formed request gets the partition alone as its key; the
 replica it lands on answers it with the usual 400.
 """
 
@@ -27,17 +27,18 @@ def api_key_identity(authorization: bytes | None) -> str:
 
 
 def routing_key(partition: str, body: bytes) -> str:
-    return partition + _SEP + prompt_text(body)
-
-
-def prompt_text(body: bytes) -> str:
-    """The prompt of a /v1/completions or /v1/chat/completions body, as routable text."""
     try:
         req = json.loads(body)
     except (ValueError, UnicodeDecodeError):
-        return ""
+        req = None
     if not isinstance(req, dict):
-        return ""
+        return partition + _SEP
+    salt = req.get("cache_salt")
+    return partition + _SEP + (salt if isinstance(salt, str) else "") + _SEP + prompt_text(req)
+
+
+def prompt_text(req: dict) -> str:
+    """The prompt of a /v1/completions or /v1/chat/completions body, as routable text."""
     messages, prompt = req.get("messages"), req.get("prompt")
     if isinstance(messages, list):
         return "".join(_message(m) for m in messages)
