@@ -32,6 +32,9 @@ class ScaleOutConfig:
         gpus = args.gpus_per_replica
         if gpus is None:  # by default each replica reserves the GPUs its tensor-parallel ranks use
             gpus = float(args.tensor_parallel_size) if args.device == "cuda" else 0.0
+        if 0 < gpus < 1 and args.kv_cache_memory is None:  # else the first takes 90% of the GPU
+            raise ValueError(f"--gpus-per-replica {gpus:g} shares a GPU between replicas: give each its KV "
+                             f"cache with --kv-cache-memory BYTES")
         return cls(args.replicas, args.router, args.ray_address, args.cpus_per_replica, gpus)
 
 
