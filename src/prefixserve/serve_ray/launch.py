@@ -15,8 +15,11 @@ import argparse
 import logging
 import math
 import signal
+import socket
 import threading
 
+from ..cli import engine_kwargs
+from ..config import EngineConfig
 from ..server.cli import server_config
 from .options import ScaleOutConfig
 from .routers import request_router_config
@@ -24,13 +27,19 @@ from .routers import request_router_config
 log = logging.getLogger(__name__)
 
 APP_NAME = "prefixserve"
+# Replicas that fail to start in a row before the application counts as failed: a bad engine
+# setting (the model's heads not divisible by --tensor-parallel-size, no room for the model)
+# fails every replica alike, and `serve` should exit with it, not retry forever.
+MAX_START_FAILURES = 2
 
 
 def serve_replicas(args: argparse.Namespace) -> int:
     scale = ScaleOutConfig.from_args(args)
     cfg = server_config(args)  # validated before Ray starts; replicas resolve the API key as read here
+    EngineConfig.from_kwargs(**engine_kwargs(args))
     args = argparse.Namespace(**{**vars(args), "api_key": cfg.api_key, "replicas": None})
     router = request_router_config(scale.router)  # a Ray without the router fails here, before starting
+    _check_port(args.host, args.port)
     import ray
     from ray import serve
 
@@ -38,7 +47,11 @@ def serve_replicas(args: argparse.Namespace) -> int:
              logging_level=logging.WARNING, configure_logging=False)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(_application(args, cfg, scale, router), name=APP_NAME, route_prefix="/")
+        try:
+            serve.run(_application(args, cfg, scale, router), name=APP_NAME, route_prefix="/")
+        except RuntimeError as e:  # Serve's word for replicas that failed to start
+            log.error("the application did not start: %s", e)
+            return 1
         log.info("serving on http://%s:%d with %d replicas (router %s)", args.host, args.port,
                  scale.replicas, scale.router)
         _wait_for_signal()
@@ -62,6 +75,7 @@ def _application(args: argparse.Namespace, cfg, scale: ScaleOutConfig, router):
         ray_actor_options={"num_cpus": scale.cpus_per_replica, "num_gpus": scale.gpus_per_replica},
         max_ongoing_requests=limits.max_concurrent_requests,  # the replica's own 429 bound, not Serve's default 5
         graceful_shutdown_timeout_s=args.shutdown_timeout, health_check_period_s=5.0,
+        max_constructor_retry_count=MAX_START_FAILURES,
         health_check_timeout_s=max(30.0, cfg.health_stall_timeout),
         **({"request_router_config": router} if router is not None else {}))
     ingress = serve.deployment(
@@ -69,6 +83,15 @@ def _application(args: argparse.Namespace, cfg, scale: ScaleOutConfig, router):
         max_ongoing_requests=scale.replicas * limits.max_concurrent_requests + 16)
     threads = max(1, math.floor(scale.cpus_per_replica))
     return ingress.bind(cfg, engine.bind(args, threads, board), board)
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail now, not after Ray and every replica started, if the port cannot be served."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except (OSError, OverflowError) as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e}") from e
 
 
 def _wait_for_signal() -> None:

@@ -66,6 +66,8 @@ class EngineReplica:
     async def __del__(self):
         """Ray Serve's graceful shutdown has already waited for requests in flight (up to
         `--shutdown-timeout`); whatever is left is aborted, and the engine thread joined."""
+        if not hasattr(self, "_reporter"):
+            return  # __init__ failed before the engine started
         self._reporter.cancel()
         self.engine.abort_all()
         await self._lifespan.aclose()
