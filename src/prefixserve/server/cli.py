@@ -39,29 +39,47 @@ def register(sub) -> None:
     for f in dataclasses.fields(ServerLimits):
         g.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, help=LIMIT_HELP[f.name])
     add_engine_args(p)
+    from ..serve_ray.options import add_args as add_scale_out_args  # imports no ray
+    add_scale_out_args(p)
     p.set_defaults(func=serve)
 
 
 def serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None:  # only then is ray imported
+        from ..serve_ray.launch import serve_replicas
+        return serve_replicas(args)
+    from .runner import run
+    server_config(args)  # the flags, checked before the port is taken
+    sock = _bind(args.host, args.port)  # a busy port or a foreign address fails before the model loads
+    app, async_engine = build_app(args)
+    return run(app, async_engine, sock, args.shutdown_timeout)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig the flags ask for, validated before any model loads; the default model
+    name is known only after, so it is "pending" here."""
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    return ServerConfig(args.served_model_name or "pending", api_key, limits, args.health_stall_timeout,
+                        args.request_body_timeout)
+
+
+def build_app(args: argparse.Namespace):
+    """The engine and the FastAPI app serving it (its lifespan starts the engine): what one
+    process serves, and what each replica of `--replicas N` serves."""
     from ..cli import engine_kwargs
     from ..config import EngineConfig
     from ..engine.async_engine import AsyncEngine
     from ..engine.engine import LLMEngine
     from .api import create_app
     from .metrics import Metrics
-    from .runner import run
 
-    if args.shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-    limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
-    # validated now, before the model loads; the default model name is known only after
-    cfg = ServerConfig(args.served_model_name or "pending", api_key, limits, args.health_stall_timeout,
-                       args.request_body_timeout)
+    cfg = server_config(args)
     pins = [_read(path) for path in args.pin_system_prompt]  # fail before the model loads
     if cfg.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without an API key", args.host)
-    sock = _bind(args.host, args.port)  # a busy port or a foreign address fails before the model loads
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
     if args.served_model_name is None:
         cfg = dataclasses.replace(cfg, served_model_name=engine.model_name)
@@ -70,8 +88,7 @@ def serve(args: argparse.Namespace) -> int:
     metrics = Metrics(cfg.served_model_name, engine.backend.name)
     async_engine = AsyncEngine(engine, observer=metrics)
     metrics.watch(lambda: async_engine.snapshot)
-    app = create_app(async_engine, cfg, metrics)
-    return run(app, async_engine, sock, args.shutdown_timeout)
+    return create_app(async_engine, cfg, metrics), async_engine
 
 
 def _port(text: str) -> int:
