@@ -31,7 +31,8 @@ class Ingress:
         self.cfg, self.engine, self.board = cfg, engine, board
 
     def __serve_build_asgi_app__(self):
-        app = BodyLimitMiddleware(self._route, max_body_bytes=self.cfg.limits.max_body_bytes)
+        app = BodyLimitMiddleware(self._route, max_body_bytes=self.cfg.limits.max_body_bytes,
+                                  timeout=self.cfg.body_timeout)
         return AuthMiddleware(app, api_key=self.cfg.api_key) if self.cfg.api_key is not None else app
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
