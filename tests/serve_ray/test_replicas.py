@@ -21,6 +21,7 @@ SYSTEMS = [f"You are assistant number {i}. " + text * 6 for i, text in enumerate
     "You answer questions about astronomy with care, citing the instrument that measured each value. ",
     "You are a terse pirate who answers in rhyme and never breaks character, whatever is asked. ",
     "You review Python code for a bank and flag every unchecked input and every silent exception. "))]
+MODEL = "SmolLM2-135M-Instruct"
 QUESTIONS = ["What is a comet?", "Name a colour.", "How do magnets work?"]
 
 
@@ -42,9 +43,6 @@ def _chat(server, system: str, question: str, **kwargs):
         temperature=0, max_tokens=kwargs.pop("max_tokens", 8), **kwargs)
     r = raw.parse()
     return r.choices[0].message.content, r.usage, raw.headers.get("x-prefixserve-replica")
-
-
-MODEL = "SmolLM2-135M-Instruct"
 
 
 def test_a_system_prompt_sticks_to_one_replica_and_outputs_equal_one_process(app, single):
@@ -112,8 +110,25 @@ def test_health_and_metrics_of_every_replica(app):
 
 
 def _replica_pids(metrics_text: str) -> dict[str, int]:
-    return {m[0]: int(m[1]) for m in re.findall(r'prefixserve_replica\{node="[^"]*",pid="(\d+)",replica="(\w+)"\}',
-                                                metrics_text) for m in [(m[1], m[0])]}
+    """Replica id -> its process id, from `prefixserve_replica{node, pid, replica} 1`."""
+    found = re.findall(r'prefixserve_replica\{node="[^"]*",pid="(\d+)",replica="(\w+)"\}', metrics_text)
+    return {replica: int(pid) for pid, replica in found}
+
+
+def test_a_client_that_leaves_mid_stream_aborts_its_request_on_the_replica(app):
+    raw = app.client().chat.completions.with_raw_response.create(
+        model=MODEL, stream=True, max_tokens=2000, extra_body={"ignore_eos": True},
+        messages=[{"role": "system", "content": SYSTEMS[2]}, {"role": "user", "content": "Count to a million."}])
+    replica, stream = raw.headers["x-prefixserve-replica"], raw.parse()
+    for _, _ in zip(range(3), stream):
+        pass
+    stream.close()
+    aborted = rf'prefixserve_requests_finished_total\{{reason="abort",replica="{replica}"\}} 1\.0'
+    idle = rf'prefixserve_requests_running\{{replica="{replica}"\}} 0\.0'
+    deadline = time.monotonic() + 30
+    while not (re.search(aborted, text := app.get("/metrics").text) and re.search(idle, text)):
+        assert time.monotonic() < deadline, "the replica did not abort the request of a client that left"
+        time.sleep(0.5)
 
 
 def test_a_replica_killed_mid_stream_ends_its_stream_with_an_error_and_is_replaced(app):
