@@ -43,6 +43,9 @@ _HELP = {
 }
 
 
+_ARG_TYPES = {"int": int, "float": float, "str": str}
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     from .attention.base import backend_names
     g = p.add_argument_group("engine")
@@ -55,7 +58,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         if f.type in (bool, "bool"):
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=_HELP[f.name])
         else:
-            kind = int if f.name not in ("model", "tokenizer", "dtype", "device", "load_format", "attention_backend") else str
+            kind = _ARG_TYPES[str(f.type).split(" | ")[0]]  # the annotation's type ("int | None" -> int)
             g.add_argument(flag, type=kind, default=f.default, choices=choices.get(f.name), help=_HELP[f.name])
 
 

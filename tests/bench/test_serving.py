@@ -61,6 +61,15 @@ def test_engine_flags_spell_the_cli():
                                                     "--kv-cache-memory", "5"]
 
 
+def test_engine_flags_parse_back_as_the_same_settings():
+    """What a benchmark passes its servers must parse back to the same values (a float flag
+    parsed as int once made every started server exit 2)."""
+    from prefixserve.cli import build_parser, engine_kwargs
+    settings = engine_kwargs(build_parser().parse_args(["serve", "--tp-join-timeout", "2.5"]))
+    again = engine_kwargs(build_parser().parse_args(["serve", *engine_flags(settings)]))
+    assert again == settings and again["tp_join_timeout"] == 2.5
+
+
 def test_multi_tenant_on_one_process_reaches_the_ideal_hit_ratio(tmp_path):
     """One process has one cache: every request after its tenant's first hits the tenant's system
     prompt, so the measured cache-hit ratio is the ideal one (the scale-out run compares routers
