@@ -22,6 +22,7 @@ import pytest
 from server_process import launch
 
 SECONDS = float(os.environ.get("SOAK_SECONDS", "15"))
+WARMUP_SECONDS = 5.0
 CONCURRENCY = int(os.environ.get("SOAK_CONCURRENCY", "8"))
 # 24 MiB holds ~34 chunks of 16 tokens on the embedded model: 8 clients with up to 32 new tokens
 # each outgrow it, so decode steps preempt.
@@ -91,9 +92,9 @@ async def stream_chat(client: httpx.AsyncClient, body: dict, cut_after: int | No
     raise AssertionError("the stream ended without [DONE]")
 
 
-async def load(server) -> list[tuple[str, object, float]]:
-    """CONCURRENCY clients, each sending requests back to back until SECONDS have passed."""
-    deadline, results = time.monotonic() + SECONDS, []
+async def load(server, seconds: float) -> list[tuple[str, object, float]]:
+    """CONCURRENCY clients, each sending requests back to back until `seconds` have passed."""
+    deadline, results = time.monotonic() + seconds, []
 
     async def client_loop(c: int):
         rng = random.Random(c)
@@ -116,10 +117,10 @@ def wait_for(predicate, what: str, timeout: float = 30):
 
 def test_soak(server):
     before = server.wait_idle()
-    asyncio.run(load_warmup(server))  # thread pools and caches reach their steady size first
+    asyncio.run(load(server, WARMUP_SECONDS))  # the same load first: thread pools reach their steady size
     server.wait_idle()
     threads, fds, _ = process_counts(server.proc.pid)
-    results = asyncio.run(load(server))
+    results = asyncio.run(load(server, SECONDS))
     bad = [(k, s) for k, s, _ in results if s not in ALLOWED[k]]
     assert not bad, f"{len(bad)} requests got a status their kind does not allow: {collections.Counter(bad)}"
     after = server.wait_idle(timeout=120)
@@ -135,10 +136,4 @@ def test_soak(server):
                "leaks": {"chunks": 0, "requests": 0, "threads": 0, "fds": 0, "processes": 0}}
     print("soak:", json.dumps(figures, default=dict))  # noqa: T201 (make soak reports these figures)
     assert good, "no good request completed"
-
-
-async def load_warmup(server):
-    async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=300) as client:
-        rng = random.Random(-1)
-        await asyncio.gather(*(stream_chat(client, chat(server, rng, i, True), None) for i in range(CONCURRENCY)))
 
