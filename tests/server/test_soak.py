@@ -123,7 +123,7 @@ async def load(server, seconds: float) -> list[tuple[str, object, float, float]]
             while time.monotonic() < deadline and server.proc.poll() is None:
                 results.append(await one(client, server, rng, i))
                 if results[-1][1] == "transport":
-                    break  # the server is gone (a soak where this may not happen fails on it)
+                    break  # the server is gone (where it must not be, "transport" fails the soak)
                 i += CONCURRENCY
     await asyncio.wait_for(asyncio.gather(*(client_loop(c) for c in range(CONCURRENCY))), seconds + 300)
     return results
