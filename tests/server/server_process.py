@@ -77,7 +77,15 @@ def free_port() -> int:
 
 def launch(tmp_path_factory, *extra: str):
     """Generator for a module fixture: start the server, wait for /health, yield, SIGTERM it."""
-    tmp = tmp_path_factory.mktemp("server")
+    server = start(tmp_path_factory.mktemp("server"), *extra)
+    try:
+        yield server
+    finally:
+        _stop(server)
+
+
+def start(tmp: pathlib.Path, *extra: str) -> Server:
+    """Start a server (logging to tmp/server.log) and wait for /health; the caller stops it."""
     (tmp / "system.txt").write_text(SYSTEM_PROMPT + "\n")
     port = free_port()
     log_path = tmp / "server.log"
@@ -89,9 +97,25 @@ def launch(tmp_path_factory, *extra: str):
     try:
         _wait_healthy(server)
         server.model = server.get("/v1/models").json()["data"][0]["id"]
-        yield server
-    finally:
-        _stop(server)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return server
+
+
+def children(pid: int) -> list[int]:
+    """The live (not zombie) child processes of `pid`."""
+    kids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            kids.append(int(entry))
+    return kids
 
 
 def _wait_healthy(server: Server) -> None:

@@ -93,6 +93,12 @@ BAD_COMPLETIONS = {
     "min_tokens above max_tokens": ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     "suffix unsupported": ({"suffix": "end"}, None),
     "missing model": ({"model": None}, "model"),
+    "stop token id negative": ({"stop_token_ids": [-1]}, None),
+    "stop token id out of vocabulary": ({"stop_token_ids": [10 ** 9]}, None),
+    "stop_token_ids wrong type": ({"stop_token_ids": ["a"]}, "stop_token_ids.0"),
+    "prompt_logprobs unsupported": ({"prompt_logprobs": 1}, None),
+    "guided_json unsupported": ({"guided_json": {"type": "object"}}, None),
+    "guided_choice unsupported": ({"guided_choice": ["a", "b"]}, None),
 }
 
 BAD_CHATS = {
@@ -107,6 +113,14 @@ BAD_CHATS = {
     "tool_choice unsupported": ({"tool_choice": "required"}, None),
     "response_format json_object": ({"response_format": {"type": "json_object"}}, None),
     "response_format json_schema": ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, None),
+    "functions unsupported": ({"functions": [{"name": "f", "parameters": {}}]}, None),
+    "function_call unsupported": ({"function_call": "auto"}, None),
+    "audio output unsupported": ({"audio": {"voice": "alloy", "format": "wav"}}, None),
+    "audio modality unsupported": ({"modalities": ["text", "audio"]}, None),
+    "echo unsupported": ({"echo": True}, None),
+    "continue_final_message unsupported": ({"continue_final_message": True}, None),
+    "chat_template_kwargs unsupported": ({"chat_template_kwargs": {"enable_thinking": True}}, None),
+    "guided_regex unsupported": ({"guided_regex": "a+"}, None),
 }
 
 
@@ -223,3 +237,22 @@ def test_a_stalled_half_sent_body_times_out_with_408(server):
     assert reply.startswith("HTTP/1.1 408") and '"code":"request_timeout"' in reply, reply
     assert BODY_TIMEOUT_S - 0.5 < time.monotonic() - t < BODY_TIMEOUT_S + 20
     assert_serves(server)
+
+
+def test_vllm_stop_fields_are_honoured_not_ignored(server, tokenizer):
+    """stop_token_ids, include_stop_str_in_output and skip_special_tokens (vLLM's) reach the
+    sampler and the detokenizer: they were accepted and dropped."""
+    greedy = completion(server, prompt="The capital of France is", temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    first = server.post("/v1/completions", greedy).json()["choices"][0]
+    second = first["logprobs"]["tokens"][1]
+    (stop_id,) = tokenizer.encode(second, add_special_tokens=False)
+    choice = server.post("/v1/completions", {**greedy, "stop_token_ids": [stop_id]}).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["logprobs"]["tokens"] == first["logprobs"]["tokens"][:2], choice
+    word = second.strip()
+    for include in (False, True):
+        r = server.post("/v1/completions", {**greedy, "logprobs": None, "stop": [word], "include_stop_str_in_output": include})
+        assert r.json()["choices"][0]["text"].endswith(word) == include, (word, r.text)
+    say_hi = chat(server, messages=[{"role": "user", "content": "Hi"}], temperature=0, max_tokens=16, ignore_eos=True)
+    texts = {skip: server.post("/v1/chat/completions", {**say_hi, "skip_special_tokens": skip}).json()["choices"][0]["message"]["content"]
+             for skip in (True, False)}
+    assert "<|im_end|>" in texts[False] and "<|im_end|>" not in texts[True], texts

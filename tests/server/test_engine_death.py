@@ -10,19 +10,7 @@ import sys
 
 import httpx
 
-from server_process import API_KEY, Server, _wait_healthy, free_port
-
-
-def children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    kids.append(int(entry))
-        except OSError:
-            pass
-    return kids
+from server_process import API_KEY, Server, _wait_healthy, children, free_port
 
 
 def test_a_killed_worker_ends_the_server_with_an_error(tmp_path):

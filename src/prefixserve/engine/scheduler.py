@@ -14,6 +14,15 @@ a claimed node waits one step, then finds those tokens computed. A sequence samp
 grant reaches its last token. When a decode step finds no chunk, the most recently admitted
 sequence is preempted (its path released; it is recomputed, from the cache where it survives).
 
+Chunked prefill that lets others through. A sequence's *demand* is the tokens between its
+frontier and its end (1 for a decode). Grants go in increasing demand, so decodes come first
+and a long prompt last; every sequence but the last granted is held to half the budget
+(`_half`), the last takes what is left. So a long prompt is prefilled over several steps of
+at most `max_num_batched_tokens` tokens while the others keep decoding, and two prompts
+prefilling together share the step. Admission counts each sequence's demand at most at half
+the budget: a request that arrives while a long prompt prefills is admitted at once and is
+granted beside it, instead of waiting for the whole prompt.
+
 Overlapped scheduling (engine.py) schedules a step while the previous one still runs: a
 sequence's last token may then be PENDING (sampled, not read). It is put in the tree and
 granted like any other token (its value reaches the model on the device); a sequence whose
@@ -69,11 +78,22 @@ class Scheduler:
         if not preempted:
             self._admit_waiting()
         budget, claimed, granted = self.cfg.max_num_batched_tokens, set(), []
-        for seq in self.running:
-            if budget > 0 and (g := self._grant(seq, budget, claimed)):
+        by_demand = sorted(self.running, key=self._demand)  # stable: ties keep admission order
+        for i, seq in enumerate(by_demand):
+            cap = budget if i == len(by_demand) - 1 else min(budget, self._half)
+            if budget > 0 and (g := self._grant(seq, cap, claimed)):
                 granted.append(g)
                 budget -= g.num_tokens
         return SchedulerOutput(self._in_tree_order(granted), preempted)
+
+    @property
+    def _half(self) -> int:
+        """The most tokens a sequence that is not the last granted gets in one step."""
+        return max(1, self.cfg.max_num_batched_tokens // 2)
+
+    def _demand(self, seq: Sequence) -> int:
+        """Tokens from the sequence's computed frontier to its end (1 for a decode)."""
+        return seq.num_tokens - self.tree.frontier(seq.leaf)[0]
 
     def _in_tree_order(self, granted: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """Depth-first order (by the node ids of each path). The same leaves in an unchanged
@@ -87,18 +107,20 @@ class Scheduler:
         return [granted[i] for i in self._last_perm]
 
     def _admit_waiting(self) -> None:
-        """Admit in arrival order while the step's token budget has room. All admissions come
-        before any grant: an admission may split a node, and claims name nodes."""
+        """Admit in arrival order while the step's token budget has room, counting each
+        sequence's demand at most at half the budget (a long prefill does not keep others out).
+        All admissions come before any grant: an admission may split a node, and claims name
+        nodes."""
         if not self.waiting:
             return
-        demand = sum(s.num_tokens - self.tree.frontier(s.leaf)[0] for s in self.running)
+        demand = sum(min(self._demand(s), self._half) for s in self.running)
         while self.waiting and len(self.running) < self.cfg.max_num_seqs and demand < self.cfg.max_num_batched_tokens:
             seq = self.waiting[0]
             matched = self._admit(seq)
             if matched is None:
                 break
             self.waiting.popleft()
-            demand += seq.num_tokens - matched
+            demand += min(seq.num_tokens - matched, self._half)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Stop a sequence (running or waiting) and release its path."""

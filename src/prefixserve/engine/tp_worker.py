@@ -12,26 +12,16 @@ join the store (`joined/<rank>`), the process group, build the rank, then serve 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import os
 import pickle
 import signal
 import sys
 
-from ..config import EngineConfig
+import torch
+import torch.distributed as dist
 
-
-@dataclasses.dataclass(frozen=True)
-class WorkerArgs:
-    cfg: EngineConfig
-    rank: int
-    size: int
-    store_port: int
-    parent_pid: int
-
-
-def joined_key(rank: int) -> str:
-    return f"joined/{rank}"
+from ..model.parallel import TPGroup
+from .workers import WorkerArgs, build_rank, init_group, joined_key, store_timeout
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -43,11 +33,6 @@ def _die_with_parent(parent_pid: int) -> None:
 def main() -> None:
     args: WorkerArgs = pickle.load(sys.stdin.buffer)
     _die_with_parent(args.parent_pid)
-    import torch
-    import torch.distributed as dist
-
-    from ..model.parallel import TPGroup
-    from .workers import build_rank, init_group, store_timeout
     torch.set_num_threads(max(1, torch.get_num_threads() // args.size))
     store = dist.TCPStore("127.0.0.1", args.store_port, args.size, is_master=False,
                           timeout=store_timeout(args.cfg))

@@ -37,7 +37,6 @@ from ..kvcache.chunk_pool import ChunkPool
 from ..model import loader
 from ..model.parallel import TPGroup
 from .cuda_graphs import DecodeGraphs
-from .tp_worker import WorkerArgs, joined_key
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +126,19 @@ def build_rank(cfg: EngineConfig, tp: TPGroup) -> RankState:
         else:
             log.info("tensor parallel: decode steps run eagerly (CUDA graphs are single-GPU for now)")
     return state
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerArgs:  # what a worker reads from its standard input (tp_worker.py)
+    cfg: EngineConfig
+    rank: int
+    size: int
+    store_port: int
+    parent_pid: int
+
+
+def joined_key(rank: int) -> str:
+    return f"joined/{rank}"
 
 
 class Workers:

@@ -71,7 +71,9 @@ def request_params(state: ServerState, req: SamplingFields, max_tokens: tuple[in
     optional = dict(n=req.n, temperature=req.temperature, top_p=req.top_p, seed=req.seed, stop=req.stop,
                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                     top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
-                    min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs[0])
+                    min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs[0],
+                    stop_token_ids=req.stop_token_ids, include_stop_str_in_output=req.include_stop_str_in_output,
+                    skip_special_tokens=req.skip_special_tokens)
     try:  # a field left None takes SamplingParams' default; max_tokens None: see fit_max_tokens
         return SamplingParams(max_tokens=max_tokens[0], **{k: v for k, v in optional.items() if v is not None})
     except ValueError as e:

@@ -37,6 +37,15 @@ class SamplingFields(_Strict):
     frequency_penalty: float | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's, as are the fields below
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    # known fields for output this server cannot produce: refused, not ignored
+    prompt_logprobs: int | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -48,7 +57,8 @@ class SamplingFields(_Strict):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
-        for name in ("logit_bias", *self.UNSUPPORTED):
+        for name in ("logit_bias", "prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     *self.UNSUPPORTED):
             value = getattr(self, name)
             if value not in (None, False, {}, []):
                 raise ValueError(f"{name} is not supported by this server")
@@ -98,14 +108,24 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    functions: list[Any] | None = None  # the tools API before tools
+    function_call: Any = None
+    audio: Any = None  # audio output
+    modalities: list[str] | None = None
+    echo: bool | None = None  # vLLM's
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    UNSUPPORTED = ("tools", "tool_choice")
+    UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "audio", "echo", "continue_final_message",
+                   "chat_template_kwargs")
 
     @model_validator(mode="after")
     def _check_chat(self):
         if self.response_format not in (None, {"type": "text"}):
             raise ValueError("response_format other than {'type': 'text'} is not supported by this server")
+        if self.modalities not in (None, ["text"]):
+            raise ValueError(f"modalities other than ['text'] are not supported by this server, got {self.modalities}")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         return self
