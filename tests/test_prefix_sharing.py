@@ -96,13 +96,14 @@ def test_outputs_identical_with_caching_on_and_off_under_memory_pressure(hierarc
 
 def test_pinned_prefix_is_prefilled_once_and_never_evicted(tokenizer, hierarchy):
     fewshot, problems = hierarchy
-    llm = LLM(kv_cache_memory=256 << 20, pinned_prefixes=[fewshot])
+    llm = LLM(kv_cache_memory=256 << 20)
+    pin_id = llm.pin_prefix(fewshot)
     assert llm.kv_cache_stats().pinned_tokens == len(fewshot)
     outs = run_checked(llm, [fewshot + p for p in problems], GREEDY)
     stats = llm.kv_cache_stats()
     assert stats.prefix_hit_tokens >= 3 * len(fewshot)
     assert stats.computed_prompt_tokens == distinct_prefix_tokens([fewshot + p for p in problems])
-    llm.unpin_prefix(fewshot)
+    llm.unpin_prefix(pin_id)
     assert llm.kv_cache_stats().pinned_tokens == 0
     llm.check_integrity()
     assert outs[0].outputs[0].token_ids == hf_greedy(fewshot + problems[0], NEW)

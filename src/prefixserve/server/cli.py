@@ -81,5 +81,5 @@ def _read(path: str) -> str:
 
 def _pin(engine, path: str, text: str) -> None:
     from .chat import system_prefix_ids
-    ids = engine.pin_prefix(system_prefix_ids(engine.tokenizer, text))
-    log.info("pinned the system prompt of %s: %d tokens", path, len(ids))
+    pin = engine.pin_prefix(system_prefix_ids(engine.tokenizer, text), public=True)
+    log.info("pinned the system prompt of %s (public, every tenant reads it): %d tokens", path, len(pin.token_ids))
