@@ -54,7 +54,7 @@ def test_frozen():
         ({"repetition_penalty": 0.0}, "repetition_penalty must be finite and > 0, got 0.0"),
         ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2], got 2.5"),
         ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2], got -3"),
-        ({"logprobs": -1}, "logprobs must be an int >= 0 or None, got -1"),
+        ({"logprobs": -1}, "logprobs must be an int in [0, 100] or None, got -1"),
         ({"seed": 1.5}, "seed must be an int in [-2**63, 2**63 - 1 - n] or None, got 1.5"),
         ({"seed": "7"}, "seed must be an int in [-2**63, 2**63 - 1 - n] or None, got '7'"),
         ({"seed": 2**63 - 1, "n": 2}, f"seed must be an int in [-2**63, 2**63 - 1 - n] or None, got {2**63 - 1}"),
@@ -74,9 +74,40 @@ def test_boundaries_accepted():
     SamplingParams(min_tokens=100, max_tokens=None)
 
 
-def test_validate_for_model():
-    SamplingParams(stop_token_ids=[0, 99]).validate_for_model(vocab_size=100)
+def test_for_model():
+    SamplingParams(stop_token_ids=[0, 99]).for_model(vocab_size=100)
     with pytest.raises(ValueError, match=re.escape("stop_token_ids must be in [0, 100), got 100")):
-        SamplingParams(stop_token_ids=[3, 100]).validate_for_model(vocab_size=100)
+        SamplingParams(stop_token_ids=[3, 100]).for_model(vocab_size=100)
     with pytest.raises(ValueError, match=re.escape("got -1")):
-        SamplingParams(stop_token_ids=[-1]).validate_for_model(vocab_size=100)
+        SamplingParams(stop_token_ids=[-1]).for_model(vocab_size=100)
+
+
+def test_top_k_above_the_vocabulary_keeps_it_all_as_vllm_does():
+    assert SamplingParams(top_k=99).for_model(vocab_size=100).top_k == 99
+    assert SamplingParams(top_k=100).for_model(vocab_size=100).top_k == 0
+    assert SamplingParams(top_k=10**9).for_model(vocab_size=100).top_k == 0
+
+
+def test_temperatures_below_1e_5_are_greedy_as_in_vllm():
+    assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=9.99e-6).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                                  "frequency_penalty"])
+@pytest.mark.parametrize("value", [float("nan"), "0.5", None, True, [1]])
+def test_every_float_field_refuses_non_numbers(name, value):
+    with pytest.raises(ValueError, match=re.escape(f"{name} must be")):
+        SamplingParams(**{name: value})
+
+
+@pytest.mark.parametrize("name", ["ignore_eos", "include_stop_str_in_output", "skip_special_tokens"])
+def test_flags_must_be_bools(name):
+    with pytest.raises(ValueError, match=re.escape(f"{name} must be a bool, got 1")):
+        SamplingParams(**{name: 1})
+
+
+def test_logprobs_are_bounded():
+    SamplingParams(logprobs=100)
+    with pytest.raises(ValueError, match=re.escape("logprobs must be an int in [0, 100] or None, got 101")):
+        SamplingParams(logprobs=101)

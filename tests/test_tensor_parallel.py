@@ -1,11 +1,19 @@
 """Tensor parallelism on CPU with gloo: the embedded model (9 query heads, 3 KV heads) over 3
-processes gives the same greedy tokens as one process; bad sizes fail clearly; no orphans."""
+processes gives the same greedy tokens as one process, also launched from standard input; bad
+sizes fail clearly; a worker that dies (before the rendezvous, or mid-step) or is late ends the
+engine with an error naming it, within seconds; no orphans."""
 
 from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 from prefixserve import LLM, SamplingParams
+from prefixserve.engine.workers import Workers, WorkerError
 
 
 def test_tp3_matches_tp1_on_a_shared_prefix_batch(make_llm, sharegpt_questions, tokenizer):
@@ -21,7 +29,57 @@ def test_tp3_matches_tp1_on_a_shared_prefix_batch(make_llm, sharegpt_questions, 
     finally:
         llm.engine.close()
     assert got == expected
-    assert not any(p.is_alive() for p in procs), "workers outlived the engine"
+    assert all(p.poll() is not None for p in procs), "workers outlived the engine"
+
+
+def test_tp_launched_from_standard_input(make_llm):
+    """spawn-based workers re-import __main__, which cannot be read back from stdin: this hung."""
+    script = ("from prefixserve import LLM, SamplingParams\n"
+              "llm = LLM(tensor_parallel_size=3, device='cpu', kv_cache_memory=16 << 20)\n"
+              "p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)\n"
+              "print(llm.generate([[1, 2, 3, 4, 5]], p, use_tqdm=False)[0].outputs[0].token_ids)\n"
+              "llm.close()\n")
+    out = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert out.stdout.strip() == str(make_llm().generate([[1, 2, 3, 4, 5]], p, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def test_a_worker_dead_before_the_rendezvous_fails_the_start_at_once(monkeypatch):
+    started, start = [], Workers._start
+
+    def start_then_oom_kill(self, args):  # as the OOM killer would, before the worker joins
+        start(self, args)
+        started.append(self.procs[-1])
+        if args.rank == 2:
+            self.procs[-1].send_signal(signal.SIGKILL)
+    monkeypatch.setattr(Workers, "_start", start_then_oom_kill)
+    t = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 2 \(pid \d+\) was killed by SIGKILL"):
+        LLM(tensor_parallel_size=3, device="cpu", kv_cache_memory=16 << 20)
+    assert time.monotonic() - t < 60
+    assert all(p.poll() is not None for p in started), "orphaned workers"
+
+
+def test_a_worker_late_for_the_rendezvous_times_out():
+    with pytest.raises(WorkerError, match=r"ranks \[1, 2\] did not join within 0.001 s \(tp_join_timeout\)"):
+        Workers(_cfg(tp_join_timeout=0.001))
+
+
+def test_a_worker_that_dies_mid_run_ends_the_engine_naming_it():
+    llm = LLM(tensor_parallel_size=3, device="cpu", kv_cache_memory=16 << 20)
+    procs = list(llm.engine.workers.procs)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    procs[0].send_signal(signal.SIGKILL)
+    with pytest.raises(WorkerError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):
+        llm.generate([[4, 5, 6]], params, use_tqdm=False)
+    assert all(p.poll() is not None for p in procs), "orphaned workers"
+
+
+def _cfg(**kwargs):
+    from prefixserve.config import EngineConfig
+    return EngineConfig.from_kwargs(tensor_parallel_size=3, device="cpu", **kwargs)
 
 
 def test_tp_size_that_does_not_divide_the_heads_is_a_clear_error():

@@ -28,6 +28,8 @@ _HELP = {
     "attention_backend": "attention schedule; auto picks per step by a bytes/FLOPs cost model",
     "seed": "seed for weights (dummy) and unseeded sampling",
     "tensor_parallel_size": "number of GPUs (or CPU processes) to split the model over",
+    "tp_join_timeout": "seconds every tensor-parallel worker gets to start and join (a worker that dies "
+                       "or is late ends the start with its exit code and stderr)",
     "enforce_eager": "CUDA: launch every kernel of a decode step (no CUDA graphs; for debugging "
                      "and comparison)",
     "chunk_size": "tokens per KV chunk (vLLM's block size); default 64 on CUDA (one key tile of "

@@ -20,9 +20,35 @@ def _positive(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Sparse feed-forward layers (Qwen3-MoE): `num_experts` experts of `intermediate_size`,
+    each token routed to its top `top_k` by softmax over the router's logits."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool = False  # renormalize the top-k probabilities to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse iff (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (then a dense MLP)
+
+    def __post_init__(self):
+        for name in ("num_experts", "top_k", "intermediate_size", "decoder_sparse_step"):
+            _positive(name, getattr(self, name))
+        if self.top_k > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds num_experts ({self.num_experts})")
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family architecture (Llama, Mistral, Qwen2, SmolLM), read from an HF config.json."""
+    """A decoder-only architecture read from an HF config.json; `architecture` picks the model
+    class (model/registry.py). Fields past `architecture` are used by some families only."""
 
     vocab_size: int
     hidden_size: int
@@ -38,6 +64,14 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2 has biases on q/k/v
     rope_scaling: tuple[tuple[str, Any], ...] = ()  # sorted items of HF's rope_scaling dict
     architecture: str = "LlamaForCausalLM"
+    layer_types: tuple[str, ...] = ()  # per layer, one of LAYER_TYPES; () = all full attention
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
+    rope_local_theta: float | None = None  # rotary base of sliding layers (Gemma 3); None: rope_theta
+    query_pre_attn_scalar: float | None = None  # attention scale its ** -0.5; None: head_dim
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    hidden_act: str = "silu"
+    moe: MoEConfig | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -46,15 +80,35 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_layers} layers")
+        bad = set(self.layer_types) - set(LAYER_TYPES)
+        if bad:
+            raise ValueError(f"unsupported layer_types {sorted(bad)}; supported: {LAYER_TYPES}")
+        if self.sliding_layers:
+            _positive("sliding_window", self.sliding_window)
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "sliding_attention")
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: it attends to every earlier key)."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
-        heads = cfg["num_attention_heads"]
-        rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
-        if rope.get("rope_type", rope.get("type", "default")) == "default":
-            rope = {}
+        """An HF config.json (a multimodal one's `text_config` for its text tower)."""
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        if "text_config" in cfg:
+            cfg = {**_with_defaults(cfg["text_config"]), "architectures": archs}
+        heads = cfg["num_attention_heads"]
+        theta, local_theta, rope = _rope(cfg)
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -64,13 +118,73 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            rope_theta=theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", archs[0].startswith("Gemma3"))),
             attention_bias=bool(cfg.get("attention_bias", archs[0].startswith("Qwen2"))),
             rope_scaling=tuple(sorted(rope.items())),
             architecture=archs[0],
+            layer_types=_layer_types(cfg, archs[0]),
+            sliding_window=cfg.get("sliding_window"),
+            rope_local_theta=local_theta,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+            moe=_moe(cfg),
         )
+
+
+def _with_defaults(text_config: dict) -> dict:
+    """A multimodal config's text_config lists only what differs from transformers' defaults
+    for its model type (Gemma 3's published configs omit e.g. the head count)."""
+    from transformers import AutoConfig
+    rest = {k: v for k, v in text_config.items() if k != "model_type"}
+    return AutoConfig.for_model(text_config.get("model_type", "gemma3_text"), **rest).to_dict()
+
+
+def _rope(cfg: dict) -> tuple[float, float | None, dict]:
+    """-> (rotary base, the sliding layers' base or None, scaling dict without the default)
+    from either HF layout: rope_theta + rope_scaling (+ rope_local_base_freq), or
+    rope_parameters, flat or per layer type (transformers 5)."""
+    params = cfg.get("rope_parameters") or {}
+    local = None
+    if "full_attention" in params:
+        local = params.get("sliding_attention", {}).get("rope_theta")
+        params = params["full_attention"]
+    rope = dict(cfg.get("rope_scaling") or params)
+    theta = rope.pop("rope_theta", params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if rope.get("rope_type", rope.get("type", "default")) == "default":
+        rope = {}
+    local = local or cfg.get("rope_local_base_freq")
+    return float(theta), None if local is None else float(local), rope
+
+
+def _layer_types(cfg: dict, arch: str) -> tuple[str, ...]:
+    """HF's `layer_types`; older Gemma 3 configs say `sliding_window_pattern` (every n-th layer
+    full); Qwen2/3 without `use_sliding_window` slide nowhere."""
+    n = cfg["num_hidden_layers"]
+    if cfg.get("layer_types"):
+        return tuple(cfg["layer_types"])
+    if arch.startswith("Gemma3"):
+        every = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        return tuple("full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                     for i in range(n))
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        first = cfg.get("max_window_layers", n)
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+    return ()
+
+
+def _moe(cfg: dict) -> MoEConfig | None:
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not experts:
+        return None
+    return MoEConfig(num_experts=experts, top_k=cfg["num_experts_per_tok"],
+                     intermediate_size=cfg["moe_intermediate_size"],
+                     norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                     decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
+                     mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +225,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
+    tp_join_timeout: float = 120.0  # seconds for every worker to start and join the rendezvous
     enforce_eager: bool = False  # CUDA: run decode steps without CUDA graphs
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -122,6 +237,8 @@ class EngineConfig:
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if not (isinstance(self.tp_join_timeout, (int, float)) and self.tp_join_timeout > 0):
+            raise ValueError(f"tp_join_timeout must be a number of seconds > 0, got {self.tp_join_timeout!r}")
         if self.load_format == "dummy" and self.model is None:
             raise ValueError("load_format='dummy' needs model= naming a config.json or its folder")
 

@@ -162,8 +162,9 @@ def make_case(draw: Draw, gen: torch.Generator, size: int, group: int, dtype: to
                 tree.k_cache, tree.v_cache, seq_kv)
 
 
-def dense_attention(case: Case) -> torch.Tensor:
-    """float64 causal attention of every sequence over its gathered keys: [T, Hq, D]."""
+def dense_attention(case: Case, window: int | None = None) -> torch.Tensor:
+    """float64 causal attention of every sequence over its gathered keys: [T, Hq, D]; with a
+    sliding window W, a query at position p sees keys at (p - W, p]."""
     out = torch.full(case.q.shape, float("nan"), dtype=torch.float64)
     g = case.shape.num_heads // case.shape.num_kv_heads
     for s, (k, v) in zip(case.batch.seqs, case.seq_kv):
@@ -171,6 +172,8 @@ def dense_attention(case: Case) -> torch.Tensor:
         q = case.q[s.q_start:s.q_start + s.q_len].double()
         scores = torch.einsum("nhd,lhd->hnl", q, k) * case.shape.scale
         visible = torch.arange(s.kv_len)[None, :] <= (s.q_pos + torch.arange(s.q_len))[:, None]
+        if window is not None:
+            visible &= torch.arange(s.kv_len)[None, :] > (s.q_pos + torch.arange(s.q_len))[:, None] - window
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[s.q_start:s.q_start + s.q_len] = torch.einsum("hnl,lhd->nhd", probs, v)
     return out

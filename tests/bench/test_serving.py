@@ -59,3 +59,35 @@ def test_engine_flags_spell_the_cli():
     assert engine_flags({"attention_backend": "relay", "enable_prefix_caching": False, "model": None,
                          "kv_cache_memory": 5}) == ["--attention-backend", "relay", "--no-enable-prefix-caching",
                                                     "--kv-cache-memory", "5"]
+
+
+def test_multi_tenant_on_one_process_reaches_the_ideal_hit_ratio(tmp_path):
+    """One process has one cache: every request after its tenant's first hits the tenant's system
+    prompt, so the measured cache-hit ratio is the ideal one (the scale-out run compares routers
+    against this same ideal)."""
+    argv = ["bench", "serve", "--workload", "multi-tenant", "--tenants", "3", "--configs", "auto",
+            "--request-rate", "8", "--num-prompts", "7", "--system-prompt-len", "40", "--max-output-len", "3",
+            "--max-prompt-len", "40", "--kv-cache-memory", str(64 << 20), "--threads", "1", "--no-progress",
+            "--out-dir", str(tmp_path)]
+    assert main(argv) == 0
+    (path,) = tmp_path.glob("serve-multi-tenant-SmolLM2-135M-Instruct-*.json")
+    assert path.with_suffix(".png").stat().st_size > 10_000
+    (e,) = json.loads(path.read_text())["results"]
+    assert e["completed"] == 7 and e["failed"] == 0, e["errors"]
+    assert e["tenants"] == 3 and e["router"] is None and e["replicas_per_tenant_mean"] is None
+    assert e["ideal_cache_hit_ratio"] > 0.3 and e["cache_hit_ratio"] == e["ideal_cache_hit_ratio"]
+    assert e["computed_prompt_tokens"] == e["ideal_computed_prompt_tokens"] < e["prompt_tokens"]
+    assert e["ttft_p99_s"] >= e["ttft_p50_s"] > 0 and e["itl_p50_s"] > 0
+
+
+def test_tenant_stats_count_hits_misses_and_replica_spread():
+    from prefixserve.bench.tenants import tenant_stats
+    from prefixserve.bench.workloads import Workload
+    sys_a, sys_b = [1] * 10, [2] * 10
+    wl = Workload("multi-tenant", [sys_a + [5], sys_b + [6], sys_a + [7], sys_a + [8]], [], {}, 10, (0, 1, 0, 0))
+    recs = [RequestRecord(11, 0.0, [1.0], 2.0, 3, cached, None, replica)
+            for cached, replica in ((0, "r1"), (0, "r2"), (10, "r1"), (0, "r3"))]
+    s = tenant_stats(wl, recs)
+    assert s["ideal_cache_hit_ratio"] == round(20 / 44, 4) and s["cache_hit_ratio"] == round(10 / 44, 4)
+    assert s["hit_ratio_vs_ideal"] == 0.5 and s["computed_prompt_tokens"] == 34
+    assert s["replicas"] == 3 and s["replicas_per_tenant_mean"] == 1.5  # tenant 0 on r1 and r3, tenant 1 on r2

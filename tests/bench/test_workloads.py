@@ -80,3 +80,20 @@ def test_sweep_points_are_hydragen_fig3():
                    {"batch": 32, "prefix_len": 2048}, {"batch": 32, "prefix_len": 4096},
                    {"batch": 32, "prefix_len": 8192}]
     assert W.sweep_points(("system_prompt_len", [64, 256])) == [{"system_prompt_len": 64}, {"system_prompt_len": 256}]
+
+
+def test_multi_tenant_distinct_system_prompts_interleaved(src):
+    wl = W.multi_tenant(src, tenants=4, system_prompt_len=96, num_prompts=12, max_output_len=16)
+    assert len(wl.prompts) == len(wl.tenants) == 12 and set(wl.tenants) == {0, 1, 2, 3}
+    assert wl.tenants != tuple(sorted(wl.tenants)), "tenants arrive interleaved"
+    systems = {t: p[:96] for t, p in zip(wl.tenants, wl.prompts)}
+    for t, p in zip(wl.tenants, wl.prompts):
+        assert p[:96] == systems[t] and len(p) > 96
+    assert all(_common(systems[a], systems[b]) < 8 for a in systems for b in systems if a != b), \
+        "tenants share no prefix beyond their first words"
+    ideal = W.ideal_cached_tokens(wl)
+    assert (12 - 4) * 96 <= ideal < (12 - 4) * 96 + 12 * 8, "each tenant's later requests hit its system prompt"
+    other_run = W.multi_tenant(src, tenants=4, system_prompt_len=96, num_prompts=12, max_output_len=16, run=1)
+    assert all(_common(a, b) < 8 for a in other_run.prompts for b in wl.prompts), "a run's tenants are its own"
+    with pytest.raises(ValueError, match="tenants"):
+        W.multi_tenant(src, tenants=13, system_prompt_len=96, num_prompts=12, max_output_len=16)

@@ -93,3 +93,20 @@ def test_the_pinned_token_quota_is_per_tenant_and_public_pins_count_for_none(pro
     usage = {u.tenant: u.pinned_tokens for u in llm.kv_cache_stats().tenants}
     assert usage == {"": 100, "t1": 40, "t2": 20}
     llm.check_integrity()
+
+
+def test_a_pin_whose_step_fails_is_not_made(prompt, monkeypatch):
+    llm = LLM(kv_cache_memory=64 << 20, chunk_size=16)
+    launch = llm.engine.runner.launch
+
+    def faulty(sched):
+        if any(g.seq.request.prefill_only for g in sched.seqs):
+            raise RuntimeError("injected step failure")
+        return launch(sched)
+    monkeypatch.setattr(llm.engine.runner, "launch", faulty)
+    with pytest.raises(RuntimeError, match="failed"):
+        llm.pin_prefix(prompt[:40])
+    assert llm.engine.list_pins() == [] and llm.kv_cache_stats().pinned_tokens == 0
+    monkeypatch.setattr(llm.engine.runner, "launch", launch)
+    assert cached(llm, prompt)[1] == hf_greedy(prompt, 6)  # the engine serves on
+    llm.check_integrity()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 
 import httpx
 import openai
@@ -17,7 +19,11 @@ MAX_TOKENS_LIMIT = 64
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     yield from launch(tmp_path_factory, "--max-concurrent-requests", str(CONCURRENCY_LIMIT),
-                      "--max-body-bytes", str(256 << 10), "--max-tokens", str(MAX_TOKENS_LIMIT))
+                      "--max-body-bytes", str(256 << 10), "--max-tokens", str(MAX_TOKENS_LIMIT),
+                      "--request-body-timeout", str(BODY_TIMEOUT_S))
+
+
+BODY_TIMEOUT_S = 2
 
 
 def completion(server, **fields) -> dict:
@@ -80,6 +86,12 @@ BAD_COMPLETIONS = {
     "empty prompt": ({"prompt": []}, None),
     "batched prompts": ({"prompt": ["a", "b"]}, "prompt"),
     "echo unsupported": ({"echo": True}, None),
+    "top_k below -1": ({"top_k": -2}, "top_k"),
+    "min_p above 1": ({"min_p": 1.5}, "min_p"),
+    "presence_penalty above 2": ({"presence_penalty": 3}, "presence_penalty"),
+    "repetition_penalty zero": ({"repetition_penalty": 0}, "repetition_penalty"),
+    "min_tokens above max_tokens": ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    "suffix unsupported": ({"suffix": "end"}, None),
     "missing model": ({"model": None}, "model"),
 }
 
@@ -92,6 +104,9 @@ BAD_CHATS = {
     "logprobs wrong type": ({"logprobs": 1}, "logprobs"),
     "huge max_completion_tokens": ({"max_completion_tokens": 10 ** 12}, "max_completion_tokens"),
     "tools unsupported": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, None),
+    "tool_choice unsupported": ({"tool_choice": "required"}, None),
+    "response_format json_object": ({"response_format": {"type": "json_object"}}, None),
+    "response_format json_schema": ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, None),
 }
 
 
@@ -183,4 +198,28 @@ def test_too_many_concurrent_requests_is_429(server):
             t.join()
     assert [status for status, _ in results] == [200] * CONCURRENCY_LIMIT
     server.wait_idle(timeout=30)
+    assert_serves(server)
+
+
+def test_top_k_above_the_vocabulary_is_clamped_not_fatal(server):
+    r = server.post("/v1/completions", completion(server, top_k=10 ** 6, temperature=1.0, max_tokens=4, seed=1))
+    assert r.status_code == 200, r.text
+    assert_serves(server)
+
+
+def test_a_tiny_temperature_is_greedy(server):
+    texts = [server.post("/v1/completions", completion(server, temperature=t, max_tokens=8)).json()["choices"][0]["text"]
+             for t in (0, 1e-40)]
+    assert texts[0] and texts[0] == texts[1]
+
+
+def test_a_stalled_half_sent_body_times_out_with_408(server):
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: {server.headers['Authorization']}\r\n"
+                  "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\": ".encode())
+        t = time.monotonic()
+        reply = s.recv(4096).decode()
+    assert reply.startswith("HTTP/1.1 408") and '"code":"request_timeout"' in reply, reply
+    assert BODY_TIMEOUT_S - 0.5 < time.monotonic() - t < BODY_TIMEOUT_S + 20
     assert_serves(server)

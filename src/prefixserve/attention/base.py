@@ -63,7 +63,7 @@ class SeqQueries:
     q_start: int
     q_len: int
     q_pos: int
-    segments: tuple[Segment, ...]  # root to leaf; their lengths sum to q_pos + q_len
+    segments: tuple[Segment, ...]  # root to leaf; lengths sum to q_pos + q_len (unless windowed)
 
     @property
     def kv_len(self) -> int:
@@ -84,6 +84,7 @@ class AttentionBatch:
     pinned_node_ids: frozenset[int] = frozenset()
     advance: bool = False  # the last planned batch, every sequence one decode token further
     padded: PaddedRows | None = None  # replayed in a CUDA graph of padded.rows rows
+    windowed: bool = False  # segments cut to a sliding window (window.py): keys may be skipped
 
     def __post_init__(self):
         assert not self.advance or not self.seqs, "an advanced batch names no sequences"
@@ -109,6 +110,7 @@ class AttentionShape:
     scale: float
     dtype: torch.dtype
     device: torch.device
+    sliding_window: int | None = None  # the window of the model's sliding layers, if any
 
 
 class AttentionBackend(ABC):
@@ -136,8 +138,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """Write the new keys/values, then attend.
+            k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None = None) -> torch.Tensor:
+        """Write the new keys/values, then attend (with `window`: a sliding layer's, which must
+        be `shape.sliding_window`).
 
         q: [R, Hq, D]; k, v: [R, Hkv, D] (this step's new tokens, rotary already applied; R =
         the batch's num_rows); k_cache, v_cache: [num_chunks, C, Hkv, D] (one layer).

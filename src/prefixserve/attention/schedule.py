@@ -31,6 +31,7 @@ import dataclasses
 from collections.abc import Callable
 
 from .base import AttentionBatch, Segment, SeqQueries
+from .window import kv_bounds_ok
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +85,7 @@ def _q_runs(seqs: tuple[SeqQueries, ...], i: int, j: int) -> list[tuple[int, int
 
 def _check(batch: AttentionBatch) -> None:
     for s in batch.seqs:
-        if s.q_len < 1 or sum(g.length for g in s.segments) != s.kv_len:
+        if s.q_len < 1 or not kv_bounds_ok(s, batch.windowed):
             raise ValueError(f"sequence lengths disagree: {s}")
     if sum(s.q_len for s in batch.seqs) != batch.num_tokens:
         raise ValueError("sum of q_len differs from the number of slots")

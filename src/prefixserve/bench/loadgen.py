@@ -34,6 +34,7 @@ class RequestRecord:
     output_tokens: int = 0
     cached_tokens: int | None = None
     error: str | None = None
+    replica: str | None = None  # the `x-prefixserve-replica` header, behind `serve --replicas`
 
     @property
     def ok(self) -> bool:
@@ -45,6 +46,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, rec
     rec.sent = time.monotonic()
     try:
         async with client.stream("POST", url, json=body, headers=headers) as r:
+            rec.replica = r.headers.get("x-prefixserve-replica")
             if r.status_code != 200:
                 rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return rec

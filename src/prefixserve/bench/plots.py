@@ -111,3 +111,36 @@ def plot_serving(doc: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_multi_tenant(doc: dict, path: Path) -> None:
+    """Bars per server (config/router), one per request rate: cache-hit ratio (the ideal as a
+    dotted line over its bar), prompt tokens computed, output tokens/s, TTFT p50 and p99."""
+    plt = _pyplot()
+    panels = (("cache_hit_ratio", "cache-hit ratio (cached / prompt tokens)"),
+              ("computed_prompt_tokens", "prompt tokens computed"), ("output_tokens_per_s", "output tokens/s"),
+              ("ttft_p50_s", "TTFT p50 (s)"), ("ttft_p99_s", "TTFT p99 (s)"))
+    labels = list(dict.fromkeys(e["label"] for e in doc["results"]))
+    rates = list(dict.fromkeys(e["request_rate"] for e in doc["results"]))
+    width = 0.8 / len(rates)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4.2))
+    for ax, (metric, name) in zip(axes, panels):
+        for j, rate in enumerate(rates):
+            rows = {e["label"]: e for e in doc["results"] if e["request_rate"] == rate}
+            xs = [i + (j - (len(rates) - 1) / 2) * width for i in range(len(labels))]
+            ax.bar(xs, [(rows[lb].get(metric) or 0) if lb in rows else 0 for lb in labels], width,
+                   label=f"{rate:g} req/s" if _finite(rate) else "all at once")
+            if metric == "cache_hit_ratio":
+                for x, lb in zip(xs, labels):
+                    if lb in rows:
+                        ax.hlines(rows[lb]["ideal_cache_hit_ratio"], x - width / 2, x + width / 2, colors="0.2",
+                                  linestyles=":")
+        ax.set_xticks(range(len(labels)), labels, fontsize=8)
+        ax.set(ylabel=name)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=8, title="dotted: ideal", title_fontsize=8)
+    fig.suptitle(_title(doc, f" ({doc['tenants']} tenants, system prompt {doc['system_prompt_len']}, "
+                             f"{doc['replicas'] or 1} replicas)"), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -8,6 +8,9 @@ throughput, normalized latency (s per output token), TTFT and inter-token latenc
 percentiles; per config, the sustainable request rate: the highest swept rate whose mean
 normalized latency is within `--latency-slo` with no request failed.
 
+`--workload multi-tenant` (tenants.py) asks another question: how well requests are routed to
+the replica that holds their prefix, against `serve --replicas N` with each of `--routers`.
+
 Between rates the server keeps running; like a live chatbot service it has the system prompt
 cached (a warm-up request before each rate puts it there, as RelayAttention pins it at start).
 Each rate's requests carry a different session line after the system prompt, so no rate finds
@@ -22,6 +25,7 @@ import contextlib
 import logging
 import math
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -49,6 +53,15 @@ def register(sub) -> None:
                    help="benchmark this running server instead (e.g. http://127.0.0.1:8000); --configs then only labels it")
     p.add_argument("--api-key", default=None,
                    help="bearer token for the server (default: $PREFIXSERVE_API_KEY); never written to the results")
+    p.add_argument("--workload", choices=("sharegpt", "multi-tenant"), default="sharegpt",
+                   help="sharegpt: one system prompt; multi-tenant: --tenants system prompts, interleaved")
+    p.add_argument("--tenants", type=int, default=8, help="multi-tenant: distinct system prompts")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="start each server with `--replicas N` (Ray Serve; default: one process)")
+    p.add_argument("--routers", type=_router_list, default=["prefix", "pow2"],
+                   help="with --replicas: one server per router, comma-separated (prefix, pow2)")
+    p.add_argument("--server-flags", default="",
+                   help="more flags for each started server, one string (e.g. \"--cpus-per-replica 0.5\")")
     p.add_argument("--request-rate", type=R.float_list, default=[1.0, 2.0, 4.0, 8.0],
                    help="requests per second, list (inf = all at once)")
     p.add_argument("--latency-slo", type=float, default=0.5, help="seconds per output token (RelayAttention: 0.5)")
@@ -72,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
     engine_kw = {k: v for k, v in engine_kwargs(args).items() if k not in ("attention_backend", "enable_prefix_caching")}
     args.api_key = args.api_key or os.environ.get("PREFIXSERVE_API_KEY")
     R.set_threads(args.threads)  # recorded in `hardware`; the servers get it as OMP_NUM_THREADS
+    if args.workload == "multi-tenant":
+        from .tenants import run_multi_tenant
+        return run_multi_tenant(args, engine_kw)
     hw, model = R.hardware(), R.model_name(engine_kw)
     load_start = R.load_average()
     src = W.token_source(engine_kw)
@@ -79,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
                     args.dataset_seed)
     entries = []
     for config in args.configs:
-        with _server(args, config, engine_kw) as url:
+        with server(args, config, engine_kw, scale_out_flags(args, None)) as url:
             entries += _sweep(args, url, config, src, wl)
     doc = _document(args, hw, model, engine_kw, entries)
     doc["load_average"] = {"start": load_start, "end": R.load_average()}
@@ -115,15 +131,28 @@ def _sweep(args, url: str, config: str, src: W.TokenSource, wl: W.Workload) -> l
 
 
 # ---- the server process ----------------------------------------------------------------------
+def _router_list(text: str) -> list[str]:
+    names = [r.strip() for r in text.split(",") if r.strip()]
+    if not names or any(r not in ("prefix", "pow2") for r in names):
+        raise argparse.ArgumentTypeError(f"routers are prefix and pow2, got {text!r}")
+    return names
+
+
+def scale_out_flags(args, router: str | None) -> list[str]:
+    """`serve` flags for --replicas (with this router) and --server-flags."""
+    flags = ["--replicas", str(args.replicas), "--router", router or args.routers[0]] if args.replicas else []
+    return flags + shlex.split(args.server_flags)
+
+
 @contextlib.contextmanager
-def _server(args, config: str, engine_kw: dict) -> Iterator[str]:
+def server(args, config: str, engine_kw: dict, extra: list[str]) -> Iterator[str]:
     if args.base_url:
         yield args.base_url.rstrip("/")
         return
     port = _free_port()
     cmd = [sys.executable, "-m", "prefixserve.cli", "--log-level", "WARNING", "serve", "--port", str(port),
            "--max-concurrent-requests", str(max(256, args.num_prompts + 1)),
-           *engine_flags({**engine_kw, **R.CONFIGS[config]})]
+           *engine_flags({**engine_kw, **R.CONFIGS[config]}), *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)

@@ -7,6 +7,8 @@
     hierarchical   few-shot prefix -> problem descriptions -> sampled solutions (Hydragen Sec. 4.4)
                        [fewshot | problem_1] -> k samples, [fewshot | problem_2] -> k samples, ...
     long-doc       one long document + many short questions (Hydragen Sec. 4.3) [doc | question_i]
+    multi-tenant   T distinct system prompts, ShareGPT questions under each, tenants interleaved
+                   at random (scale-out routing)      [sys_3 | q_1] [sys_0 | q_2] [sys_3 | q_3] ...
 
 Prompts are token ids, so a model without a tokenizer (load_format=dummy) runs them too: text
 is tokenized with the model's tokenizer, or the embedded model's, and ids are mapped into the
@@ -21,12 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import random
 from typing import Any
 
 from ..sampling_params import SamplingParams
 from .datasets import sharegpt_conversations, sharegpt_first_turns
 
-WORKLOADS = ("sharegpt", "synthetic", "multi-sample", "hierarchical", "long-doc")
+WORKLOADS = ("sharegpt", "synthetic", "multi-sample", "hierarchical", "long-doc", "multi-tenant")
 
 _RULES = (
     "Answer the user's question accurately, and say so when you are not sure.",
@@ -49,7 +52,8 @@ class Workload:
     prompts: list[list[int]]
     params: list[SamplingParams]  # one per prompt; n > 1 for sampled completions of one prompt
     settings: dict[str, Any]  # the parameters that define it, recorded in the results
-    shared_prefix_len: int  # tokens that every prompt starts with
+    shared_prefix_len: int  # tokens that every prompt starts with (multi-tenant: every prompt of a tenant)
+    tenants: tuple[int, ...] = ()  # multi-tenant: the tenant of each prompt
 
     @property
     def greedy(self) -> bool:
@@ -89,11 +93,17 @@ class TokenSource:
         self._pos += n
         return span
 
-    def system_prompt(self, length: int) -> list[int]:
-        """A synthetic system prompt of exactly `length` tokens: a numbered list of rules."""
-        lines = ["You are a helpful, honest assistant. Follow these rules in every answer."]
+    def system_prompt(self, length: int, owner: str = "") -> list[int]:
+        """A synthetic system prompt of exactly `length` tokens: a numbered list of rules. With an
+        `owner`, its name comes first and its rules are in an order of its own, so that two
+        owners' prompts differ from their first tokens on."""
+        lines = [f"{owner}: you are a helpful, honest assistant. Follow these rules in every answer." if owner
+                 else "You are a helpful, honest assistant. Follow these rules in every answer."]
+        rules = list(_RULES)
+        if owner:
+            random.Random(owner).shuffle(rules)
         ids: list[int] = []
-        for i, rule in enumerate(itertools.cycle(_RULES), 1):
+        for i, rule in enumerate(itertools.cycle(rules), 1):
             if len(ids) >= length:
                 break
             lines.append(f"{i}. {rule}")
@@ -138,6 +148,41 @@ def sharegpt(src: TokenSource, system_prompt_len: int, num_prompts: int, max_out
     settings = dict(system_prompt_len=system_prompt_len, num_prompts=num_prompts,
                     max_output_len=max_output_len, max_prompt_len=max_prompt_len, seed=seed)
     return Workload("sharegpt", prompts, params, settings, system_prompt_len)
+
+
+def multi_tenant(src: TokenSource, tenants: int, system_prompt_len: int, num_prompts: int, max_output_len: int,
+                 max_prompt_len: int = 1024, seed: int = 0, run: int = 0) -> Workload:
+    """`sharegpt`'s questions and output lengths, each under the system prompt of a tenant drawn
+    at random (seeded); `run` names a fresh set of tenants, so no run finds another's prompts cached."""
+    if tenants < 1 or tenants > num_prompts:
+        raise ValueError(f"tenants must be in [1, num_prompts={num_prompts}], got {tenants}")
+    base = sharegpt(src, system_prompt_len, num_prompts, max_output_len, max_prompt_len, seed)
+    systems = [src.system_prompt(system_prompt_len, f"Tenant {t} of run {run}") for t in range(tenants)]
+    rng = random.Random(f"{seed}:{run}")
+    owner = list(range(tenants)) + [rng.randrange(tenants) for _ in range(num_prompts - tenants)]
+    rng.shuffle(owner)  # every tenant has at least one request
+    prompts = [systems[t] + p[system_prompt_len:] for t, p in zip(owner, base.prompts)]
+    settings = dict(base.settings, tenants=tenants, run=run)
+    return Workload("multi-tenant", prompts, base.params, settings, system_prompt_len, tuple(owner))
+
+
+def ideal_cached_tokens(wl: Workload) -> int:
+    """Prompt tokens one cache that kept everything would serve, requests in order: each one's
+    longest common prefix with an earlier prompt. For multi-tenant that is, after a tenant's
+    first request, its whole system prompt (and the few tokens every question starts with)."""
+    total = 0
+    for i, prompt in enumerate(wl.prompts):
+        total += max((_common_prefix(prompt, earlier) for earlier in wl.prompts[:i]), default=0)
+    return total
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def synthetic(src: TokenSource, system_prompt_len: int, num_prompts: int, prompt_len: int,

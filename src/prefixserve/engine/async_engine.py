@@ -12,6 +12,10 @@ once the engine accepted the request (its `ValueError` is re-raised in the calle
 are cumulative, so a consumer that falls behind reads only the newest one. After each loop
 iteration the thread records a heartbeat and, at most every `SNAPSHOT_INTERVAL_S`, a snapshot
 of the engine's state, which readers on other threads (health, metrics) may use freely.
+
+A step that fails ends only its own requests (engine.py): their streams raise `RequestFailed`.
+If the thread itself dies, every stream raises `EngineDeadError`, `failure` says why, and
+`on_death` (set by the server's runner) is called once, on the engine thread.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from ..sampling_params import SamplingParams
-from .engine import KVCacheStats, LLMEngine
+from .engine import STEP_ERROR, KVCacheStats, LLMEngine
 from .request import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -36,6 +40,10 @@ SNAPSHOT_INTERVAL_S = 0.2
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped (shut down, or a step raised)."""
+
+
+class RequestFailed(RuntimeError):
+    """A step of this request raised; the engine serves on (the cause is in the server's log)."""
 
 
 class RequestAborted(Exception):
@@ -109,6 +117,7 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._busy = False
         self._heartbeat = time.monotonic()
+        self.on_death: Callable[[], None] | None = None
         self._snapshot_time = 0.0
         self.snapshot = self._take_snapshot()
 
@@ -132,11 +141,16 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, timeout)
         log.info("engine thread stopped")
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine thread died (None: it has not)."""
+        return None if self._error is None else f"engine failed: {self._error!r}"
+
     def health(self, stall_timeout: float) -> str | None:
         """None when healthy; else why not: the thread is gone, or it has work but no step
         finished within `stall_timeout` seconds."""
         if self._error is not None:
-            return f"engine failed: {self._error!r}"
+            return self.failure
         if self._closing:
             return "the server is shutting down"
         if not self._thread.is_alive():
@@ -236,6 +250,8 @@ class AsyncEngine:
             self._fail_all(EngineDeadError(f"engine failed: {e!r}"))
         finally:
             self._close_commands()
+        if self._error is not None and self.on_death is not None:
+            self.on_death()
 
     def _run_commands(self) -> bool:
         """Run the queued commands; False once the stop command ran."""
@@ -269,7 +285,9 @@ class AsyncEngine:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                self._send(stream, out)
+                failed = out.finished and any(c.finish_reason == STEP_ERROR for c in out.outputs)
+                self._send(stream, RequestFailed(f"request {out.request_id} failed in an engine step") if failed
+                           else out)
             if out.finished:
                 self._forget(out.request_id)
         self._publish(force=False)

@@ -11,6 +11,13 @@ Each sequence's token from step t is PENDING meanwhile (request.py): step t+1 ta
 on the device, and a sequence that step t stopped has its step t+1 token dropped. Requests
 with penalties need the values of their tokens on the host, and tensor-parallel workers get
 their inputs from the host: while any is running, steps run one at a time.
+
+A step that raises ends only the requests it touched (the sequences it scheduled and those
+of the steps still in flight): they finish with `finish_reason == STEP_ERROR`, their paths
+are released (tokens the failed step computed were never marked computed, so no cached node
+claims K/V it does not hold), and the engine serves on. Failures that leave the engine in an
+unknown state are re-raised: any failure under tensor parallelism (the ranks may disagree on
+what ran) and device errors (a CUDA error poisons the context).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from .workers import Workers, build_rank
 
 log = logging.getLogger(__name__)
 
+STEP_ERROR = "error"  # the finish reason of a request whose step raised
 
 @dataclasses.dataclass(frozen=True)
 class TenantUsage:
@@ -88,16 +96,21 @@ class LLMEngine:
                         "extrapolated (fine for speed benchmarks on dummy weights)",
                         self.max_model_len, m.max_position_embeddings)
         log.info("KV cache: %d chunks of %d tokens", self.pool.num_chunks, self.pool.chunk_size)
+        self._pinned_chunks = 0  # tree.pinned_chunks(), recounted when a pin comes or goes
+        if self.max_sequence_tokens < 2:  # a prompt token and a generated one
+            self.close()
+            raise ValueError(f"the KV cache ({self.pool.num_chunks} chunks of {self.pool.chunk_size} tokens, with "
+                             "one kept spare) cannot hold a single sequence; raise kv_cache_memory")
         self.tree = PrefixTree(self.pool, cfg.cache.enable_prefix_caching)
         self.scheduler = Scheduler(cfg.scheduler, self.tree)
         self.eos_token_ids = self._eos_ids()
         self.runner = ModelRunner(rank, self.tree, Sampler(self.eos_token_ids), self.workers)
         self.requests: dict[str, Request] = {}
         self.pins = PinTable(cfg.cache.max_pinned_tokens_per_tenant)
-        self._pinned_chunks = 0  # tree.pinned_chunks(), recounted when a pin comes or goes
         self._inflight: collections.deque[Launched] = collections.deque()
         self._penalized: set[str] = set()  # running requests with penalties (they need token values)
         self._seq_ids = itertools.count()
+        self._stepping: list[Sequence] = []  # the sequences the current step scheduled
         self.computed_prompt_tokens = 0
         self.peak_physical_tokens = 0
 
@@ -109,14 +122,45 @@ class LLMEngine:
 
     # ---- the heartbeat ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        except Exception as e:
+            if self.workers is not None:
+                raise self.workers.failure(e) from e
+            if isinstance(e, torch.AcceleratorError):
+                raise
+            log.exception("a step failed; its requests end with finish_reason %r", STEP_ERROR)
+            return self._fail_step()
+
+    def _step(self) -> list[RequestOutput]:
         self._expire_pins()
         overlap = self._can_overlap()
         outputs = [] if overlap else self._collect_all(keep=0)
+        self._stepping = []
         sched = self.scheduler.schedule()
+        self._stepping = [g.seq for g in sched.seqs]
         if sched.seqs:
             self._inflight.append(self._launch(sched))
         outputs += self._collect_all(keep=1 if overlap and sched.seqs else 0)
         return outputs + self._settle_pins()
+
+    def _fail_step(self) -> list[RequestOutput]:
+        """End every request of the failed step and of the steps in flight (their tokens are
+        never read). A failure before scheduling ended names no sequence: then all running fail."""
+        seqs = self._stepping or list(self.scheduler.running)
+        seqs += [seq for launched in self._inflight for seq in launched.rows]
+        self._inflight.clear()
+        self._stepping = []
+        self.runner.forget()
+        failed = {seq.request.request_id: seq.request for seq in seqs}
+        for req in failed.values():
+            for seq in req.seqs:
+                if not seq.finished:
+                    self.scheduler.finish(seq, STEP_ERROR)
+            self.requests.pop(req.request_id, None)
+            self._penalized.discard(req.request_id)
+            self.pins.discard_pending(req.request_id)  # a pin whose prefill failed is not made
+        return [req.output() for req in failed.values()]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -194,6 +238,8 @@ class LLMEngine:
         req = self.add_pin(pin_id, prompt, **kwargs)
         while not req.finished:
             self.step()
+        if req.seqs[0].finish_reason == STEP_ERROR:
+            raise RuntimeError(f"pinning a prefix of {len(req.prompt_token_ids)} tokens failed (see the log)")
         if req.seqs[0].finish_reason != "pinned":
             raise ValueError(f"the pin of {len(req.prompt_token_ids)} tokens does not fit in the KV cache")
         return self.pins.pins[pin_id]
@@ -351,7 +397,7 @@ class LLMEngine:
     def _validate(self, ids: list[int], params: SamplingParams, prefill_only: bool) -> SamplingParams:
         if not ids:
             raise ValueError("the prompt is empty")
-        params.validate_for_model(self.model.cfg.vocab_size)
+        params = params.for_model(self.model.cfg.vocab_size)
         max_len = self.max_model_len
         if len(ids) + (0 if prefill_only else 1) > max_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is {max_len} "

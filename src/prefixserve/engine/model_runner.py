@@ -76,6 +76,10 @@ class ModelRunner:
         self._prev = None if sampled is None else (tuple(s.seq_id for s in rows), sampled.token_ids)
         return Launched(rows, sampled, len(ids), events)
 
+    def forget(self) -> None:
+        """After a failed step: the next step is built in full and takes no pending token."""
+        self._last = self._prev = None
+
     def collect(self, step: Launched) -> SampleOutput | None:
         """The step's sampled tokens on the host (waits for that step only)."""
         if step.sampled is None:

@@ -4,18 +4,29 @@ Rank 0 is the engine: it schedules, builds each step's inputs and the attention 
 broadcasts them; every rank then runs the same forward on its own heads and its own KV chunks
 (the chunk ids are the tree's, identical everywhere), and the logits are all-gathered for
 rank 0 to sample. NCCL on GPUs (NVLink multicast left off), gloo on CPU. Workers are started by
-the engine itself (no torchrun) and die with it, also when it crashes (PR_SET_PDEATHSIG).
+the engine itself (no torchrun) as `python -m prefixserve.engine.tp_worker` and die with it,
+also when it crashes (PR_SET_PDEATHSIG).
+
+Rank 0 watches them from the first moment: it owns the rendezvous store and waits for every
+worker's `joined/<rank>` key while polling the processes, so a worker that exits before the
+rendezvous, or has not joined within `tp_join_timeout` seconds, ends the start with
+`WorkerError` naming the rank, its exit code and its stderr's tail. A worker that dies later
+breaks the next collective; `Workers.failure` then names it the same way and ends the rest.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
+import datetime
 import logging
-import multiprocessing as mp
 import os
+import pathlib
+import pickle
 import signal
-import socket
+import subprocess
+import sys
+import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,6 +37,7 @@ from ..kvcache.chunk_pool import ChunkPool
 from ..model import loader
 from ..model.parallel import TPGroup
 from .cuda_graphs import DecodeGraphs
+from .tp_worker import WorkerArgs, joined_key
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +49,12 @@ CPU_KV_CACHE_MEMORY = 1 << 30
 # The CPU reference path has no tiles, and small chunks put more boundaries under the tests.
 CUDA_CHUNK_SIZE, CPU_CHUNK_SIZE = 64, 16
 _SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+STDERR_TAIL_BYTES = 2000
+EXIT_GRACE_S = 5.0  # after a failed collective, how long a dying worker gets to be seen dead
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker died or never joined; the engine cannot go on."""
 
 
 @dataclasses.dataclass
@@ -100,8 +118,8 @@ def build_rank(cfg: EngineConfig, tp: TPGroup) -> RankState:
         num_chunks = num_chunks.to(device)
         dist.all_reduce(num_chunks, op=dist.ReduceOp.MIN)
     pool = ChunkPool(m.num_layers, int(num_chunks), chunk_size, kv_heads, m.head_dim, dtype, device)
-    shape = AttentionShape(tp.part(m.num_heads, "num_heads"), kv_heads, m.head_dim, m.head_dim ** -0.5,
-                           dtype, device)
+    shape = AttentionShape(tp.part(m.num_heads, "num_heads"), kv_heads, m.head_dim, m.attn_scale,
+                           dtype, device, m.sliding_window if m.sliding_layers else None)
     state = RankState(tp, device, dtype, src, model, pool, create_backend(cfg.attention_backend, shape))
     if cuda and not cfg.enforce_eager:
         if tp.size == 1:
@@ -112,7 +130,7 @@ def build_rank(cfg: EngineConfig, tp: TPGroup) -> RankState:
 
 
 class Workers:
-    """Ranks 1..N-1 as processes; `start` also makes the calling process rank 0."""
+    """Ranks 1..N-1 as processes; `__init__` also makes the calling process rank 0."""
 
     def __init__(self, cfg: EngineConfig):
         size = cfg.tensor_parallel_size
@@ -120,15 +138,62 @@ class Workers:
             raise ValueError(f"tensor_parallel_size {size} exceeds the {torch.cuda.device_count()} visible GPUs")
         for k, v in _SAFE_NCCL_ENV.items():
             os.environ[k] = v
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_worker_main, args=(cfg, rank, size, port), daemon=True)
-                      for rank in range(1, size)]
-        for p in self.procs:
-            p.start()
-        _init_group(cfg, 0, size, port)
+        self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                                   timeout=store_timeout(cfg))
+        self.procs: list[subprocess.Popen] = []
+        self._stderr: dict[int, object] = {}  # pid -> the worker's stderr file
+        try:
+            for rank in range(1, size):
+                self._start(WorkerArgs(cfg, rank, size, self.store.port, os.getpid()))
+            self._wait_joined(cfg.tp_join_timeout)
+            init_group(cfg, 0, size, self.store)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _start(self, args: WorkerArgs) -> None:
+        src = str(pathlib.Path(__file__).resolve().parents[2])  # this prefixserve, whatever sys.path says
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+        err = tempfile.TemporaryFile()
+        proc = subprocess.Popen([sys.executable, "-m", "prefixserve.engine.tp_worker"], stdin=subprocess.PIPE,
+                                stderr=err, env=env)
+        self.procs.append(proc)
+        self._stderr[proc.pid] = err
+        proc.stdin.write(pickle.dumps(args))
+        proc.stdin.close()
+
+    def _wait_joined(self, timeout: float) -> None:
+        keys = {joined_key(r): r for r in range(1, len(self.procs) + 1)}
+        deadline = time.monotonic() + timeout
+        while not self.store.check(list(keys)):
+            if dead := self._dead():
+                raise WorkerError("tensor-parallel start failed: " + "; ".join(dead))
+            if time.monotonic() > deadline:
+                missing = [r for k, r in keys.items() if not self.store.check([k])]
+                raise WorkerError(f"tensor-parallel ranks {missing} did not join within {timeout:g} s "
+                                  f"(tp_join_timeout)")
+            time.sleep(0.05)
+
+    def _dead(self) -> list[str]:
+        """'rank R exited with CODE: <stderr tail>' for each worker that has exited."""
+        return [self._describe(rank, p) for rank, p in enumerate(self.procs, 1) if p.poll() is not None]
+
+    def _describe(self, rank: int, proc: subprocess.Popen) -> str:
+        err = self._stderr[proc.pid]
+        err.seek(max(0, err.seek(0, os.SEEK_END) - STDERR_TAIL_BYTES))
+        tail = err.read().decode("utf-8", "replace").strip()
+        code = proc.returncode
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        return f"rank {rank} (pid {proc.pid}) {how}" + (f"; its stderr ends:\n{tail}" if tail else "")
+
+    def failure(self, error: BaseException) -> WorkerError:
+        """After a step failed: name the dead worker (waiting up to EXIT_GRACE_S for it to be
+        seen dead), end every worker, and return the error to raise."""
+        deadline = time.monotonic() + EXIT_GRACE_S
+        while not (dead := self._dead()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.kill()
+        return WorkerError("tensor parallelism failed: " + ("; ".join(dead) or f"a step raised {error!r}"))
 
     def broadcast(self, inputs) -> None:
         dist.broadcast_object_list([inputs], src=0)
@@ -138,44 +203,37 @@ class Workers:
             return
         self.broadcast(None)
         for p in self.procs:
-            p.join(timeout=30)
-            if p.is_alive():
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
                 p.kill()
-        self.procs = []
+                p.wait()
+        self._forget()
         dist.destroy_process_group()
 
     def kill(self) -> None:
-        """After a failed start: no collective is safe, so end the workers outright."""
+        """After a failure: no collective is safe, so end the workers outright."""
         for p in self.procs:
-            p.kill()
-            p.join()
-        self.procs = []
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        self._forget()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _forget(self) -> None:
+        for err in self._stderr.values():
+            err.close()
+        self.procs, self._stderr = [], {}
 
 
-def _init_group(cfg: EngineConfig, rank: int, size: int, port: int) -> None:
+def store_timeout(cfg: EngineConfig) -> datetime.timedelta:
+    """Of the store's own operations; the join deadline is `_wait_joined`'s, which polls."""
+    return datetime.timedelta(seconds=max(60.0, cfg.tp_join_timeout))
+
+
+def init_group(cfg: EngineConfig, rank: int, size: int, store: dist.Store) -> None:
     cuda = cfg.device != "cpu" and torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=size)
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        log.warning("cannot ask to die with the engine process: workers may outlive a crash")
-
-
-def _worker_main(cfg: EngineConfig, rank: int, size: int, port: int) -> None:
-    _die_with_parent()
-    torch.set_num_threads(max(1, torch.get_num_threads() // size))
-    _init_group(cfg, rank, size, port)
-    state = build_rank(cfg, TPGroup(rank, size))
-    while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
-            break
-        state.forward(*box[0])
-    dist.destroy_process_group()
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=size)

@@ -1,14 +1,18 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2), over flattened token batches.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2), over flattened token batches,
+and the base that the other families (qwen3.py, qwen3_moe.py, gemma3.py) change in places.
 
 A step's tokens from all sequences are one flat batch `[T]`; attention is the only place
 sequences are told apart, and it goes through the step's `AttentionBackend` (plan/run).
 q/k/v and gate/up projections are fused at load time; `load_weights` takes HF names.
 Under tensor parallelism (parallel.py) every size below is this rank's share.
+
+A family overrides: `make_layer` (its decoder layer), `Attention.prepare_qk` (q/k before the
+rotary), `weight_target` / `shard_keys` / `param_region` (how HF names land in parameters).
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Hashable, Iterable
 
 import torch
 from torch import nn
@@ -21,9 +25,10 @@ from .parallel import TPGroup
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, rotary: RotaryEmbedding, layer: int):
         super().__init__()
         self.tp, self.head_dim, self.rotary = tp, cfg.head_dim, rotary
+        self.window = cfg.window(layer)  # None: full attention
         self.num_heads = tp.part(cfg.num_heads, "num_heads")
         self.num_kv_heads = tp.part(cfg.num_kv_heads, "num_kv_heads")
         q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
@@ -37,9 +42,16 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # views of one [T, q + 2 kv] tensor
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.prepare_qk(q, k)
         self.rotary(positions, q, k)
-        o = attn.run(q, k, v.view(t, self.num_kv_heads, self.head_dim), k_cache, v_cache)
+        o = attn.run(q, k, v.view(t, self.num_kv_heads, self.head_dim), k_cache, v_cache,
+                     window=self.window)
         return self.tp.all_reduce(self.o_proj(o.reshape(t, -1)))
+
+    def prepare_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hkv, D] before the rotary (which rotates what this returns in
+        place); Llama: as they are."""
+        return q, k
 
 
 class MLP(nn.Module):
@@ -76,12 +88,12 @@ class DecoderLayer(nn.Module):
         h_mid = h + attn(norm(h));  returns (mlp(norm(h_mid)), h_mid), the next layer's pair
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, rotary: RotaryEmbedding):
+    def __init__(self, attention: nn.Module, mlp: nn.Module, cfg: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, tp, rotary)
+        self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = mlp
 
     def forward(self, x, residual, positions, attn, k_cache, v_cache):
         """x, residual: [T, hidden]; residual None (the first layer): h = x, the embeddings."""
@@ -108,10 +120,14 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabEmbedding(cfg, tp)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling),
                                  cfg.max_position_embeddings)  # one, shared by every layer
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, self.embed_tokens.num_embeddings, bias=False)
+
+    def make_layer(self, layer: int, rotary: RotaryEmbedding) -> nn.Module:
+        return DecoderLayer(Attention(self.cfg, self.tp, rotary, layer), MLP(self.cfg, self.tp),
+                            self.cfg)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 k_caches: torch.Tensor, v_caches: torch.Tensor) -> torch.Tensor:
@@ -132,30 +148,64 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         written = set()
         for hf_name, tensor in weights:
-            tensor = self.tp.shard(hf_name, tensor)
-            name = hf_name.removeprefix("model.")
-            if name == "lm_head.weight" and self.lm_head is None:
+            target = self.weight_target(hf_name)
+            if target is None:
                 continue
-            shard = None
-            for old, (new, idx) in _FUSED.items():
-                if f".{old}." in name:
-                    name, shard = name.replace(old, new), idx
-            param = params[name]
-            if shard is None:
-                param.copy_(tensor)
-            else:
-                sizes = self._shard_sizes(name)
-                start = sum(sizes[:shard])
-                param[start:start + sizes[shard]].copy_(tensor)
-            written.add((name, shard))
-        expected = {(n, i) for n in params for i in
-                    (range(len(self._shard_sizes(n))) if ("qkv_proj.weight" in n or "gate_up_proj" in n)
-                     else range(3) if "qkv_proj.bias" in n else [None])}
+            name, key = target
+            self.param_region(params[name], name, key).copy_(self.tp.shard(hf_name, tensor))
+            written.add((name, key))
+        expected = {(n, key) for n in params for key in self.shard_keys(n)}
         missing = sorted(str(k) for k in expected - written)
         if missing:
             raise ValueError(f"checkpoint lacks weights for {missing[:5]}")
 
-    def _shard_sizes(self, name: str) -> tuple[int, ...]:
+    def weight_target(self, hf_name: str) -> tuple[str, Hashable] | None:
+        """HF name -> (our parameter, which part of it: a `shard_keys` key); None: not ours."""
+        name = hf_name.removeprefix("model.")
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None
+        shard = None
+        for old, (new, idx) in _FUSED.items():
+            if f".{old}." in name:
+                name, shard = name.replace(old, new), idx
+        return name, shard
+
+    def shard_keys(self, name: str) -> tuple[Hashable, ...]:
+        """The parts of parameter `name` that HF tensors fill, each exactly once."""
         if "qkv_proj" in name:
-            return self.layers[0].self_attn.sizes
-        return (self.layers[0].mlp.size,) * 2
+            return (0, 1, 2)
+        return (0, 1) if "gate_up_proj" in name else (None,)
+
+    def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name -> full (unsharded) shape of every tensor of this model's checkpoint (what
+        dummy weights are drawn for)."""
+        cfg, h = self.cfg, self.cfg.hidden_size
+        shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+        if not cfg.tie_word_embeddings:
+            shapes["lm_head.weight"] = (cfg.vocab_size, h)
+        for n in range(cfg.num_layers):
+            shapes.update({f"model.layers.{n}.{k}": v for k, v in self.layer_weight_shapes(n).items()})
+        return shapes
+
+    def layer_weight_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        cfg = self.cfg
+        h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                  "self_attn.q_proj.weight": (cfg.num_heads * d, h),
+                  "self_attn.k_proj.weight": (cfg.num_kv_heads * d, h),
+                  "self_attn.v_proj.weight": (cfg.num_kv_heads * d, h),
+                  "self_attn.o_proj.weight": (h, cfg.num_heads * d),
+                  "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
+                  "mlp.down_proj.weight": (h, i)}
+        if cfg.attention_bias:
+            for x, rows in (("q", cfg.num_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
+                shapes[f"self_attn.{x}_proj.bias"] = (rows * d,)
+        return shapes
+
+    def param_region(self, param: torch.Tensor, name: str, key: Hashable) -> torch.Tensor:
+        """The view of `param` that the part `key` fills (rows of a fused projection)."""
+        if key is None:
+            return param
+        sizes = self.layers[0].self_attn.sizes if "qkv_proj" in name else (param.shape[0] // 2,) * 2
+        start = sum(sizes[:key])
+        return param[start:start + sizes[key]]

@@ -4,7 +4,9 @@ A GGUF file is converted once into an HF-style folder in the cache (config.json,
 files, model.safetensors with the dequantized weights), so a second start reads safetensors
 and takes seconds. Dequantization and the Q/K head permutation are exactly transformers'
 (gguf-py's `dequantize`, llama.cpp's permutation undone), so the weights are bit-identical to
-`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`. Pickle checkpoints are refused.
+`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`; other families' GGUFs (those
+transformers reads: Qwen2/3, Gemma 3; not MoE) go through transformers' own reader.
+Pickle checkpoints are refused.
 """
 
 from __future__ import annotations
@@ -78,9 +80,19 @@ def resolve(cfg: EngineConfig) -> ModelSource:
     return ModelSource(name, json.loads((path / "config.json").read_text()), path, False)
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index (model.safetensors.index.json)
+    names when there is one (a folder may hold other *.safetensors, e.g. consolidated
+    copies of the same weights), else all of them."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return sorted(folder.glob("*.safetensors"))
+
+
 def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
-    for file in sorted(glob.glob(str(src.folder / "*.safetensors"))):
+    for file in weight_files(src.folder):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
@@ -88,39 +100,22 @@ def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(src: ModelSource, dtype: torch.dtype, device: torch.device, seed: int,
                tp: TPGroup = TPGroup()):
-    from .llama import LlamaForCausalLM
+    from .registry import model_class
     mcfg = ModelConfig.from_hf(src.config)
     with torch.device(device):
-        model = LlamaForCausalLM(mcfg, tp).to(dtype)
-    weights = dummy_weights(mcfg, seed, dtype, device) if src.dummy else iter_weights(src)
+        model = model_class(mcfg.architecture)(mcfg, tp).to(dtype)
+    weights = dummy_weights(model, seed, dtype, device) if src.dummy else iter_weights(src)
     model.load_weights(weights)
     return model.eval()
 
 
-def dummy_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype,
+def dummy_weights(model, seed: int, dtype: torch.dtype,
                   device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full-size random weights by HF name, each from its own seeded generator, so every
-    tensor-parallel rank slices the same model. Speed does not depend on their values; the
-    scale (std 0.02, norms 1) keeps activations finite."""
-    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for n in range(cfg.num_layers):
-        p = f"model.layers.{n}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (cfg.num_heads * d, h),
-            p + "self_attn.k_proj.weight": (cfg.num_kv_heads * d, h),
-            p + "self_attn.v_proj.weight": (cfg.num_kv_heads * d, h),
-            p + "self_attn.o_proj.weight": (h, cfg.num_heads * d),
-            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i)})
-        if cfg.attention_bias:
-            for x, rows in (("q", cfg.num_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
-                shapes[p + f"self_attn.{x}_proj.bias"] = (rows * d,)
+    """Full-size random weights by HF name (`model.hf_weight_shapes()`), each from its own
+    seeded generator, so every tensor-parallel rank slices the same model. Speed does not
+    depend on their values; the scale (std 0.02, norms 1) keeps activations finite."""
     gen = torch.Generator(device=device)
-    for k, (name, shape) in enumerate(shapes.items()):
+    for k, (name, shape) in enumerate(model.hf_weight_shapes().items()):
         if name.endswith("norm.weight"):
             yield name, torch.ones(shape, dtype=dtype, device=device)
             continue
@@ -128,10 +123,16 @@ def dummy_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype,
         yield name, torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(src: ModelSource, tokenizer: str | None):
+    """The tokenizer named, else the model folder's; None (prompts must be token ids) when
+    neither is given and the folder holds no tokenizer file (a weights-only checkpoint)."""
     from transformers import AutoTokenizer
     where = tokenizer or src.folder
-    if where is None:
+    if tokenizer is None and (where is None or not any((where / f).exists() for f in _TOKENIZER_FILES)):
+        log.info("no tokenizer beside the model (%s); prompts must be token ids", where)
         return None
     try:
         return AutoTokenizer.from_pretrained(str(where))
@@ -164,8 +165,15 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
 
     folder, fname = str(gguf_path.parent), gguf_path.name
     hf_cfg = AutoConfig.from_pretrained(folder, gguf_file=fname)
+    if not hf_cfg.architectures:  # GGUFs name a model type only: the registry needs the class
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        hf_cfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_cfg.model_type]]
     hf_cfg.save_pretrained(out)
-    AutoTokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(out)
+    if _has_tokenizer(gguf_path):
+        AutoTokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(out)
+    if hf_cfg.model_type not in ("llama", "mistral"):
+        save_file(_family_tensors(gguf_path, hf_cfg), str(out / "model.safetensors"))
+        return
     heads, kv_heads = hf_cfg.num_attention_heads, hf_cfg.num_key_value_heads
     tensors = {}
     reader = gguf.GGUFReader(str(gguf_path))
@@ -177,6 +185,27 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
             w = _unpermute(w, kv_heads)
         tensors[_hf_name(t.name)] = torch.from_numpy(w.copy())
     save_file(tensors, str(out / "model.safetensors"))
+
+
+def _has_tokenizer(gguf_path: Path) -> bool:
+    import gguf
+    return "tokenizer.ggml.model" in gguf.GGUFReader(str(gguf_path)).fields
+
+
+def _family_tensors(gguf_path: Path, hf_cfg) -> dict[str, torch.Tensor]:
+    """The weights of a non-Llama GGUF (Qwen2/3, Gemma 3, ...) by HF name, as transformers
+    reads them (its tensor processors: no q/k permutation, Gemma's norms - 1)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    if hf_cfg.model_type.endswith("_moe"):  # its gate and up experts land in one tensor, the
+        # second overwriting the first (a size mismatch in from_pretrained): nothing to trust
+        raise ValueError(f"{gguf_path.name}: GGUF files of {hf_cfg.model_type} models are not "
+                         "supported (transformers misreads their experts); use the safetensors "
+                         "checkpoint")
+    with torch.device("meta"):  # only its parameter names are read
+        names = AutoModelForCausalLM.from_config(hf_cfg)
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=names)["tensors"]
+    return {name: t.contiguous() for name, t in tensors.items()}
 
 
 def _unpermute(w, n_head: int):

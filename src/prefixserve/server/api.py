@@ -38,7 +38,7 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> Fast
 
     app = FastAPI(title="prefixserve", version=__version__, lifespan=lifespan,
                   openapi_url=None, docs_url=None, redoc_url=None)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=cfg.limits.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=cfg.limits.max_body_bytes, timeout=cfg.body_timeout)
     app.add_middleware(AuthMiddleware, tenants=cfg.tenants, on_error=metrics.count_error)  # added last: runs first
     errors.install(app, on_error=metrics.count_error)
     app.add_exception_handler(ClientGone, _client_gone)
@@ -62,12 +62,18 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         return {"id": state.cfg.served_model_name, "object": "model", "created": state.started,
                 "owned_by": "prefixserve", "max_model_len": state.engine.max_model_len}
 
+    def check_alive() -> None:
+        if state.engine.failure is not None:
+            raise APIError(503, state.engine.failure, None, "engine_unavailable")
+
     @app.get("/v1/models")
     async def models():
+        check_alive()
         return {"object": "list", "data": [card()]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
+        check_alive()
         if model != state.cfg.served_model_name:
             raise APIError(404, f"the model `{model}` does not exist", "model", "model_not_found")
         return card()

@@ -45,9 +45,12 @@ class ServerConfig:
     tenants: Tenants = Tenants()  # API keys -> tenants (server/tenancy.py); empty: no auth
     limits: ServerLimits = ServerLimits()
     health_stall_timeout: float = 60.0  # seconds with work but no finished step before /health is 503
+    body_timeout: float = 30.0  # seconds a client gets to send its whole request body (408 after)
 
     def __post_init__(self):
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
         if not self.health_stall_timeout > 0:
             raise ValueError(f"health_stall_timeout must be > 0, got {self.health_stall_timeout!r}")
+        if not self.body_timeout > 0:
+            raise ValueError(f"body_timeout must be > 0, got {self.body_timeout!r}")

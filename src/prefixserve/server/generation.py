@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 
-from ..engine.async_engine import AsyncEngine, EngineDeadError, RequestAborted, RequestStream
+from ..engine.async_engine import AsyncEngine, EngineDeadError, RequestAborted, RequestFailed, RequestStream
 from ..engine.request import RequestOutput
 from ..sampling_params import SamplingParams
 from .config import ServerConfig, ServerLimits
@@ -166,8 +166,8 @@ class Generation:
                 async for event in events(self.stream):
                     yield _sse(event)
                 yield "data: [DONE]\n\n"
-            except (RequestAborted, EngineDeadError) as e:
-                yield _sse(error_body(503, f"the request was stopped: {e}", None, "engine_unavailable"))
+            except (RequestAborted, EngineDeadError, RequestFailed) as e:
+                yield _sse(error_body(*_stopped(e)))
             finally:
                 self.close()
         return StreamingResponse(body(), media_type="text/event-stream",
@@ -181,8 +181,15 @@ class ClientGone(Exception):
 def _engine_result(task: asyncio.Future) -> RequestOutput:
     try:
         return task.result()
-    except (RequestAborted, EngineDeadError) as e:
-        raise APIError(503, f"the request was stopped: {e}", None, "engine_unavailable")
+    except (RequestAborted, EngineDeadError, RequestFailed) as e:
+        raise APIError(*_stopped(e))
+
+
+def _stopped(e: Exception) -> tuple[int, str, None, str]:
+    """(status, message, param, code) of a request the engine ended without finishing it."""
+    if isinstance(e, RequestFailed):
+        return 500, f"{e}; the server is still serving: retry", None, "internal_error"
+    return 503, f"the request was stopped: {e}", None, "engine_unavailable"
 
 
 async def _last(stream: RequestStream) -> RequestOutput:

@@ -9,11 +9,14 @@
   Refusals are counted through `on_error(status)` like every other error.
 - `BodyLimitMiddleware`: reads the body up to `max_body_bytes` (413 above it, whether declared
   by Content-Length or streamed chunked), then replays it to the app; later `receive()` calls
-  go to the server, so the app still learns of a client's disconnect.
+  go to the server, so the app still learns of a client's disconnect. A body not complete
+  within `timeout` seconds is a 408 (a stalled half-sent body would hold its connection and
+  its memory forever).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -59,8 +62,8 @@ def _all_tenants(scope: Scope) -> bool:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_body_bytes: int):
-        self.app, self.limit = app, max_body_bytes
+    def __init__(self, app: ASGIApp, max_body_bytes: int, timeout: float):
+        self.app, self.limit, self.timeout = app, max_body_bytes, timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in _BODY_METHODS:
@@ -68,18 +71,31 @@ class BodyLimitMiddleware:
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         if not declared.isdigit() or int(declared) > self.limit:
             return await self._too_large(scope, receive, send)
+        try:
+            async with asyncio.timeout(self.timeout):
+                body = await self._read(receive)
+        except TimeoutError:
+            response = error_response(408, f"the request body did not arrive within {self.timeout:g} s",
+                                      None, "request_timeout", {"Connection": "close"})
+            return await response(scope, receive, send)
+        if body is None:
+            return await self._too_large(scope, receive, send)
+        if body is not False:
+            await self.app(scope, _replay(body, receive), send)
+
+    async def _read(self, receive: Receive) -> bytes | None | bool:
+        """The whole body; None: over the limit; False: the client left before sending it."""
         chunks, size = [], 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return  # the client left before sending its body
+                return False
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.limit:
-                return await self._too_large(scope, receive, send)
+                return None
             if not message.get("more_body", False):
-                break
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+                return b"".join(chunks)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = error_response(413, f"the request body is over the limit of {self.limit} bytes",

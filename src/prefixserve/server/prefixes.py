@@ -17,7 +17,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 
-from ..engine.async_engine import EngineDeadError
+from ..engine.async_engine import EngineDeadError, RequestFailed
 from .chat import render_prompt, system_prefix_ids
 from .errors import APIError
 from .generation import ServerState, parse_body
@@ -42,6 +42,9 @@ def add_prefix_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, str(e), None, "pin_refused")
         except EngineDeadError as e:
             raise APIError(503, str(e), None, "engine_unavailable")
+        except RequestFailed as e:
+            raise APIError(500, f"{e}; nothing was pinned and the server is still serving: retry", None,
+                           "internal_error")
         return pin
 
     @app.get("/v1/prefixes")

@@ -5,16 +5,26 @@ engine refuses new ones (and /health turns 503), and after `drain_timeout` secon
 the rest, so each ends with an error (an SSE error event, or a 503) rather than a cut
 connection. uvicorn cancels whatever is still left `CANCEL_AFTER_ABORT_S` later; then the
 app's lifespan joins the engine thread.
+
+Exit status: 0 after a drain on SIGTERM (uvicorn would re-raise the signal: killed by SIGTERM
+reads as a crash to supervisors), 130 after SIGINT, 1 when the engine thread died (the server
+stops at once rather than live on answering 503s).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import signal
+import socket
 
 import uvicorn
 from fastapi import FastAPI
 
 from ..engine.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
 
 CANCEL_AFTER_ABORT_S = 5.0
 
@@ -23,6 +33,17 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float):
         super().__init__(config)
         self.engine, self.drain_timeout = engine, drain_timeout
+        self.signals: list[int] = []
+        engine.on_death = self._engine_died
+
+    def _engine_died(self) -> None:  # on the engine thread; uvicorn polls should_exit
+        self.should_exit = True
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            yield
+            self.signals, self._captured_signals = list(self._captured_signals), []  # handled: not re-raised
 
     async def shutdown(self, sockets=None) -> None:
         self.engine.stop_accepting()
@@ -33,11 +54,12 @@ class DrainingServer(uvicorn.Server):
             timer.cancel()
 
 
-def run(app: FastAPI, engine: AsyncEngine, host: str, port: int, drain_timeout: float) -> int:
-    config = uvicorn.Config(app, host=host, port=port, log_config=None,
-                            timeout_graceful_shutdown=drain_timeout + CANCEL_AFTER_ABORT_S)
-    try:
-        DrainingServer(config, engine, drain_timeout).run()
-    except KeyboardInterrupt:  # after a graceful shutdown on a signal, uvicorn raises that signal again
-        return 130
-    return 0
+def run(app: FastAPI, engine: AsyncEngine, sock: socket.socket, drain_timeout: float) -> int:
+    """Serve on `sock` (bound before the model loaded) until a signal or the engine's death."""
+    config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=drain_timeout + CANCEL_AFTER_ABORT_S)
+    server = DrainingServer(config, engine, drain_timeout)
+    server.run(sockets=[sock])
+    if engine.failure is not None:
+        log.error("exiting: %s", engine.failure)
+        return 1
+    return 130 if signal.SIGINT in server.signals else 0

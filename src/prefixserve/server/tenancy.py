@@ -17,8 +17,6 @@ import hashlib
 import hmac
 import pathlib
 
-from ..kvcache.prefix_tree import Partition
-
 ADMIN = "admin"  # the operator's tenant name (its own partition for generation requests)
 ANONYMOUS = ""  # the one tenant of a server without keys
 OTHER = "other"  # the metrics' tenant label of everyone the keys do not name (the admin, ANONYMOUS)
@@ -39,6 +37,9 @@ class Tenants:
             if key in seen and seen[key] != tenant:
                 raise ValueError(f"one API key is given to two tenants: {seen[key]!r} and {tenant!r}")
             seen[key] = tenant
+        for _, tenant in self.keys:
+            if not tenant or not tenant.isprintable() or any(c.isspace() for c in tenant):
+                raise ValueError(f"a tenant name must be printable with no spaces, got {tenant!r}")
         for reserved in {ADMIN, OTHER} & {t for _, t in self.keys}:
             raise ValueError(f"the tenant name {reserved!r} is reserved (the admin key's, and the metrics' label "
                              f"for unnamed tenants)")
@@ -57,6 +58,15 @@ class Tenants:
         """More than one identity (two tenants, or a tenant and the admin): then what shows every
         tenant's traffic is the admin's alone. One key alone is the operator's own server."""
         return len(self.names) + (self.admin_key is not None) > 1
+
+    def operator_authorization(self) -> bytes | None:
+        """The `Authorization` value the operator's own calls to the routes that show every
+        tenant's traffic use (a Ray replica reading its /metrics); None: no key may read them."""
+        if not self.auth:
+            return b""
+        if self.admin_key is not None or not self.shared:
+            return f"Bearer {self.admin_key or self.keys[0][0]}".encode()
+        return None
 
     def tenant_of(self, authorization: bytes) -> str | None:
         """The tenant of an `Authorization` header's value; None: no such key. Every key is
@@ -94,9 +104,8 @@ def read_keys_file(path: str) -> tuple[tuple[str, str], ...]:
     return tuple(keys)
 
 
-def partition_key(tenants: Tenants, authorization: bytes, cache_salt: str | None) -> Partition | None:
-    """The prefix cache partition of a request: its tenant (from its `Authorization` header's
-    value) and its `cache_salt`. None: the key is unknown (a 401). Routers that place requests
-    by prefix (scale-out) must route by this, so that a tenant's prefixes meet only its own."""
-    tenant = tenants.tenant_of(authorization)
-    return None if tenant is None else Partition(tenant, cache_salt or "")
+def request_tenant(scope) -> str:
+    """The tenant of a request that AuthMiddleware let through (it put it in the ASGI scope's
+    state): what partitions the prefix cache, and so what a router that places requests by
+    prefix (Ray Serve, scale-out) must route by, so that a tenant's prefixes meet only its own."""
+    return scope["state"]["tenant"]

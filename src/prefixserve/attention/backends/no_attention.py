@@ -44,6 +44,6 @@ class NoAttentionBackend(AttentionBackend):
         self.uploader.fence()
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+            k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None = None) -> torch.Tensor:
         store_kv(k_cache, v_cache, k, v, self.slots)
         return torch.zeros_like(q)

@@ -6,6 +6,11 @@ merge the partials of each query row if the schedule needs it, in q's dtype. The
 from an executor picked by device (`ops.kernels_for`: Triton kernels on CUDA, the PyTorch
 reference elsewhere); tests pass one explicitly. Since every backend runs the same executor on
 a plan, a CUDA graph captured with one schedule replays correctly with any other.
+
+A model with sliding layers (`shape.sliding_window`) gets a second plan per step, of the
+batch cut to the window (`window.windowed`), with its own cache and executor (so that the
+two plans' CUDA-graph state stays apart); `run(..., window=W)` runs that one. Without sliding
+layers nothing of this exists: no second plan, no extra host work.
 """
 
 from __future__ import annotations
@@ -18,33 +23,50 @@ from ..base import AttentionBackend, AttentionBatch, AttentionShape
 from ..ops import kernels_for
 from ..plan import DevicePlan, PlanCache
 from ..schedule import Schedule
+from ..window import windowed
 
 
 class ScheduledBackend(AttentionBackend):
     schedule: Callable[[AttentionBatch], Schedule]  # set by each subclass (a staticmethod)
 
-    def __init__(self, shape: AttentionShape, kernels=None):
+    def __init__(self, shape: AttentionShape, kernels=None, window_kernels=None):
+        """kernels, window_kernels: executors of the full and the windowed plans (default:
+        `ops.kernels_for(shape)`; tests pass their own)."""
         super().__init__(shape)
         self.kernels = kernels or kernels_for(shape)
         self.cache = PlanCache(shape.device, self.kernels.plan_extra)
         self.current: DevicePlan | None = None
+        self.window = shape.sliding_window
+        if self.window is not None:
+            self.window_kernels = window_kernels or kernels_for(shape)
+            self.window_cache = PlanCache(shape.device, self.window_kernels.plan_extra)
+            self.window_plan: DevicePlan | None = None
 
     def make_schedule(self, batch: AttentionBatch) -> Schedule:
         return self.schedule(batch)
 
     def plan(self, batch: AttentionBatch) -> None:
         self.current = self.cache.get(batch, lambda: self.make_schedule(batch))
+        if self.window is not None:
+            cut = windowed(batch, self.window)
+            self.window_plan = self.window_cache.get(cut, lambda: self.make_schedule(cut))
 
     @property
     def generation(self) -> int:
-        return self.cache.generation + self.kernels.generation
+        gen = self.cache.generation + self.kernels.generation
+        if self.window is not None:
+            gen += self.window_cache.generation + self.window_kernels.generation
+        return gen
 
     def can_advance(self) -> bool:
-        return self.cache.can_advance
+        return self.cache.can_advance and (self.window is None or self.window_cache.can_advance)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        p, s = self.current, self.shape
+            k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None = None) -> torch.Tensor:
+        s = self.shape
+        assert window == s.sliding_window or window is None, (window, s.sliding_window)
+        p, kernels = (self.current, self.kernels) if window is None else (
+            self.window_plan, self.window_kernels)
         assert p is not None, "plan() before run()"
         assert q.shape == (p.slots.numel(), s.num_heads, s.head_dim), q.shape
-        return self.kernels.run(q, k, v, k_cache, v_cache, p, s.scale)
+        return kernels.run(q, k, v, k_cache, v_cache, p, s.scale, window)

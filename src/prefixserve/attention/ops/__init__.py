@@ -6,8 +6,9 @@ same function from the same plan; an executor has
 
     plan_extra(batch, arrays) -> extra plan arrays/ints (kept in `DevicePlan.extra`)
     generation                -> bumped when what a captured CUDA graph holds changes
-    run(q, k, v, k_cache, v_cache, plan, scale) -> o [T, Hq, D] in q's dtype, after writing
-                                 the new k, v [T, Hkv, D] at plan.slots
+    run(q, k, v, k_cache, v_cache, plan, scale, window=None) -> o [T, Hq, D] in q's dtype,
+                                 after writing the new k, v [T, Hkv, D] at plan.slots; window:
+                                 a sliding layer's (see `reference`)
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ class ReferenceKernels:
     def plan_extra(self, batch, arrays) -> dict:
         return {}
 
-    def run(self, q, k, v, k_cache, v_cache, plan, scale: float) -> torch.Tensor:
+    def run(self, q, k, v, k_cache, v_cache, plan, scale: float, window: int | None = None) -> torch.Tensor:
         p = plan
         reference.store_kv(k_cache, v_cache, k, v, p.slots)
         o, lse = reference.attend_items(q, k_cache, v_cache, p.q_pos, p.item_q_start,
                                         p.item_q_len, p.item_out_start, p.item_kv_indptr,
                                         p.kv_chunk, p.kv_lo, p.kv_hi, p.kv_pos, scale,
-                                        p.num_out_rows)
+                                        p.num_out_rows, window)
         if p.needs_merge:
             o, _ = reference.merge_partials(o, lse, p.row_indptr, p.row_parts)
         elif o.shape[0] < q.shape[0]:  # padding rows (a padded batch) attend to nothing

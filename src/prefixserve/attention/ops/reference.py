@@ -19,8 +19,10 @@ a list of kv entries, each a slot range of one chunk. Every schedule is a list o
              writes partial rows [item_out_start[i], item_out_start[i] + item_q_len[i])
     entry e: slots [kv_lo[e], kv_hi[e]) of chunk kv_chunk[e]; slot kv_lo[e] holds position kv_pos[e]
 
-Causality is by position alone: query row r sees key position p iff p <= q_pos[r]. The
-partials of one query row are then merged by `merge_partials` (CSR: row -> partial rows).
+Causality is by position alone: query row r sees key position p iff p <= q_pos[r], and with
+a sliding `window` W (a sliding layer's) also p > q_pos[r] - W: the window is a per-row lower
+bound on the key position, W keys including the row's own. The partials of one query row are
+then merged by `merge_partials` (CSR: row -> partial rows).
 """
 
 from __future__ import annotations
@@ -45,10 +47,12 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                      k_pos: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      k_pos: torch.Tensor, scale: float,
+                      window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of n query rows over L gathered keys, as fp32 partials.
 
-    q: [n, Hq, D]; k, v: [L, Hkv, D]; q_pos: [n]; k_pos: [L] (int32 or int64).
+    q: [n, Hq, D]; k, v: [L, Hkv, D]; q_pos: [n]; k_pos: [L] (int32 or int64); window: None
+    (causal) or W (causal, and key positions > q_pos - W).
     Returns o: [n, Hq, D] fp32, lse: [n, Hq] fp32.
 
     GQA: the G query heads of one KV head, for all n rows, form the rows of one matrix, so each
@@ -62,6 +66,8 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     qh = q.float().reshape(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)
     scores = torch.bmm(qh, k.float().permute(1, 2, 0)) * scale  # [Hkv, n*G, L]
     visible = k_pos.long()[None, :] <= q_pos.long()[:, None]  # [n, L]
+    if window is not None:
+        visible &= k_pos.long()[None, :] > q_pos.long()[:, None] - window
     scores = scores.masked_fill(~visible.repeat_interleave(g, dim=0), NEG_INF)
     lse = torch.logsumexp(scores, dim=-1)  # [Hkv, n*G]; -inf where nothing is visible
     finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
@@ -89,8 +95,8 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  q_pos: torch.Tensor, item_q_start: torch.Tensor, item_q_len: torch.Tensor,
                  item_out_start: torch.Tensor, item_kv_indptr: torch.Tensor,
                  kv_chunk: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
-                 kv_pos: torch.Tensor, scale: float,
-                 num_out_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 kv_pos: torch.Tensor, scale: float, num_out_rows: int,
+                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """All work items of a schedule (one kernel launch on GPU); see the module docstring.
 
     q: [T, Hq, D]; k_cache, v_cache: [N, C, Hkv, D]; q_pos: [T] int32;
@@ -112,7 +118,7 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         for r in range(0, n, _ROW_BLOCK):  # rows are independent; blocks bound the scores' size
             m = min(_ROW_BLOCK, n - r)
             o[out + r:out + r + m], lse[out + r:out + r + m] = partial_attention(
-                q[qs + r:qs + r + m], k, v, q_pos[qs + r:qs + r + m], pos, scale)
+                q[qs + r:qs + r + m], k, v, q_pos[qs + r:qs + r + m], pos, scale, window)
     return o, lse
 
 

@@ -11,7 +11,8 @@ Program (unit u, KV head h) computes, for the unit's R query rows x the G query 
              BLOCK_N / C_PAD whole chunks (per-key gathers)
     scores   q @ k^T (tensor cores), masked to the entry's slots and, if CAUSAL, by position:
              key position kv_pos[e] + slot - lo[e] <= q_pos[row] (decode launches need no
-             position mask: every key a decode row reads precedes it)
+             position mask: every key a decode row reads precedes it); if SLIDING (a sliding
+             layer, window W > 0) always by both bounds, q_pos[row] - W < key position <= q_pos[row]
     online softmax in base 2 (FlashAttention), then o = acc / l, lse = ln 2 * (m + log2 l)
 
 A row that sees no key writes (0, -inf). Masked lanes read nothing (loads return 0), so a NaN
@@ -51,13 +52,17 @@ def _rows_mask(rows_ok, col_ok, EVEN_D: tl.constexpr):
 
 
 @triton.jit
-def _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc, scale_log2,
-                 CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+def _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc, scale_log2, window,
+                 CAUSAL: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
+                 DOT_FP32: tl.constexpr):
     """One K/V tile ([BLOCK_N, BLOCK_D] each) into the running (m_i, l_i, acc) of qt's rows."""
     if DOT_FP32:
         kt = kt.to(tl.float32)
     s = tl.dot(qt, tl.trans(kt), input_precision=PRECISION)  # unscaled scores [BLOCK_M, BLOCK_N]
-    if CAUSAL:
+    if SLIDING:
+        seen = (k_pos[None, :] <= qp[:, None]) & (k_pos[None, :] > qp[:, None] - window)
+        s = tl.where(key_ok[None, :] & seen, s, float("-inf"))
+    elif CAUSAL:
         s = tl.where(key_ok[None, :] & (k_pos[None, :] <= qp[:, None]), s, float("-inf"))
     else:  # one add per score: the mask is a [BLOCK_N] bias
         s = s + tl.where(key_ok, 0.0, float("-inf"))[None, :]
@@ -78,10 +83,11 @@ def _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc, scale_log2,
 def _attend_kernel(q, k_cache, v_cache, q_pos, units, unit_count, kv_chunk, kv_lo, kv_hi, kv_pos,
                    o, lse, k_new, v_new, slots, stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_lt, stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, chunk_size,
-                   HKV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   window, HKV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   C_PAD: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
-                   STORE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+                   C_PAD: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
+                   WRITE_LSE: tl.constexpr, STORE: tl.constexpr, PRECISION: tl.constexpr,
+                   DOT_FP32: tl.constexpr):
     # Persistent: program p takes work items p, p + P, p + 2P, ... of the unit_count[0] * HKV
     # (unit, KV head) pairs; units are longest first, so each stride of P items is balanced.
     num_work = tl.load(unit_count) * HKV
@@ -89,18 +95,19 @@ def _attend_kernel(q, k_cache, v_cache, q_pos, units, unit_count, kv_chunk, kv_l
         _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_pos, o, lse,
                      k_new, v_new, slots, w // HKV, w % HKV, stride_qt, stride_qh, stride_ot,
                      stride_oh, stride_lt, stride_kt, stride_kh, stride_vt, stride_vh,
-                     scale_log2, chunk_size, HKV, G, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, C_PAD,
-                     CAUSAL, WRITE_LSE, STORE, PRECISION, DOT_FP32)
+                     scale_log2, chunk_size, window, HKV, G, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                     C_PAD, CAUSAL, SLIDING, WRITE_LSE, STORE, PRECISION, DOT_FP32)
 
 
 @triton.jit
 def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_pos, o, lse,
                  k_new, v_new, slots, u, h, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
-                 stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, chunk_size,
+                 stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, chunk_size, window,
                  HKV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 C_PAD: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
-                 STORE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+                 C_PAD: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
+                 WRITE_LSE: tl.constexpr, STORE: tl.constexpr, PRECISION: tl.constexpr,
+                 DOT_FP32: tl.constexpr):
     """Unit u x KV head h: the tile walk described in the module docstring."""
     q_start = tl.load(units + u * 6)
     q_len = tl.load(units + u * 6 + 1)
@@ -149,7 +156,8 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
             kt = tl.load(k_cache + base + tile_off, mask=kv_mask, other=0.0)
             vt = tl.load(v_cache + base + tile_off, mask=kv_mask, other=0.0)
             m_i, l_i, acc = _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc,
-                                         scale_log2, CAUSAL, PRECISION, DOT_FP32)
+                                         scale_log2, window, CAUSAL, SLIDING, PRECISION,
+                                         DOT_FP32)
     else:  # a tile spans BLOCK_N / C_PAD entries: per-key gathers
         for v0 in range(0, (e1 - e0) * C_PAD, BLOCK_N):
             e = e0 + (v0 + n) // C_PAD
@@ -167,7 +175,8 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
             kt = tl.load(k_cache + kv_off, mask=kv_mask, other=0.0)
             vt = tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)
             m_i, l_i, acc = _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc,
-                                         scale_log2, CAUSAL, PRECISION, DOT_FP32)
+                                         scale_log2, window, CAUSAL, SLIDING, PRECISION,
+                                         DOT_FP32)
 
     if STORE:
         if t >= 0:  # the new key: one more online-softmax step (q_len 1: rows m < G, fp32);
@@ -200,13 +209,14 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
 
 def launch_units(q, k_cache, v_cache, q_pos, units, count, kv_chunk, kv_lo, kv_hi, kv_pos,
                  scale: float, o, lse, cfg: KernelConfig, causal: bool, programs: int,
-                 new_kv: tuple | None = None) -> None:
+                 new_kv: tuple | None = None, window: int | None = None) -> None:
     """Run the first count[0] units of `units` ([>= count, 6] int32, see worklist; count: [1]
     int32 on the device, so a CUDA graph replays any number) on a persistent grid of
     `programs` programs, into o [*, Hq, D] (any float dtype) and, unless lse is None, lse
     [*, Hq] fp32 at the units' out rows. causal=False promises that every row sees every key
     of its units (decode), which drops the position mask. new_kv: (k [T, Hkv, D], v, slots
-    [T] int64) for units that store their row's new key (worklist `stores`)."""
+    [T] int64) for units that store their row's new key (worklist `stores`). window: a sliding
+    layer's (then every launch masks by position, both bounds); None: none."""
     t, hq, d = q.shape
     n_chunks, chunk_size, hkv, d_cache = k_cache.shape
     assert d_cache == d and hq % hkv == 0 and v_cache.shape == k_cache.shape
@@ -230,10 +240,10 @@ def launch_units(q, k_cache, v_cache, q_pos, units, count, kv_chunk, kv_lo, kv_h
             o if lse is None else lse, k, v, q_pos if slots is None else slots,
             q.stride(0), q.stride(1), o.stride(0), o.stride(1),
             0 if lse is None else lse.stride(0), k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), scale * _LOG2E, chunk_size)
+            v.stride(1), scale * _LOG2E, chunk_size, window or 0)
     meta = dict(
         HKV=hkv, G=g, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, C_PAD=next_pow2(chunk_size), CAUSAL=causal,
+        BLOCK_N=cfg.block_n, C_PAD=next_pow2(chunk_size), CAUSAL=causal, SLIDING=window is not None,
         WRITE_LSE=lse is not None, STORE=new_kv is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # the interpreter (CPU tensors) multiplies raw bf16 bits in tl.dot (triton 3.9): upcast
@@ -291,16 +301,17 @@ def grid_size(num_units: int, num_kv_heads: int, cfg: KernelConfig, sms: int,
 
 
 def launch_worklist(q, k_cache, v_cache, q_pos, launches: tuple[Launch, Launch], kv_chunk, kv_lo,
-                    kv_hi, kv_pos, scale: float, o, lse, side=None, new_kv=None) -> None:
+                    kv_hi, kv_pos, scale: float, o, lse, side=None, new_kv=None,
+                    window: int | None = None) -> None:
     """Both unit classes' launches (narrow, wide). With a side stream (CUDA) the wide launch
     runs on it, concurrently with the narrow one; the current stream waits for it before
     returning (graph capture records the fork and join). new_kv: as launch_units', for the
-    launches that store."""
+    launches that store; window: a sliding layer's."""
     idx = (kv_chunk, kv_lo, kv_hi, kv_pos)
 
     def go(x: Launch) -> None:
         launch_units(q, k_cache, v_cache, q_pos, x.units, x.count, *idx, scale, o, lse, x.cfg,
-                     x.causal, x.programs, new_kv if x.stores else None)
+                     x.causal, x.programs, new_kv if x.stores else None, window)
 
     narrow, wide = launches
     fork = side is not None and narrow.programs and wide.programs
@@ -325,7 +336,8 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  q_pos: torch.Tensor, item_q_start: torch.Tensor, item_q_len: torch.Tensor,
                  item_out_start: torch.Tensor, item_kv_indptr: torch.Tensor,
                  kv_chunk: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
-                 kv_pos: torch.Tensor, scale: float, num_out_rows: int, *,
+                 kv_pos: torch.Tensor, scale: float, num_out_rows: int,
+                 window: int | None = None, *,
                  configs: tuple[KernelConfig, KernelConfig] | None = None,
                  sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Twin of `ops.reference.attend_items` (same arguments and result; partial rows no item
@@ -348,10 +360,10 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     lse = torch.full((num_out_rows, hq), float("-inf"), dtype=torch.float32, device=q.device)
     idx = (kv_chunk, kv_lo, kv_hi, kv_pos)
     if wl.direct:
-        launch_worklist(q, k_cache, v_cache, q_pos, launches, *idx, scale, o, lse)
+        launch_worklist(q, k_cache, v_cache, q_pos, launches, *idx, scale, o, lse, window=window)
         return o, lse
     o_s = torch.empty((wl.num_partials, hq, d), dtype=torch.float32, device=q.device)
     lse_s = torch.empty((wl.num_partials, hq), dtype=torch.float32, device=q.device)
-    launch_worklist(q, k_cache, v_cache, q_pos, launches, *idx, scale, o_s, lse_s)
+    launch_worklist(q, k_cache, v_cache, q_pos, launches, *idx, scale, o_s, lse_s, window=window)
     merge_rows(o_s, lse_s, dev(wl.merge_indptr), dev(wl.merge_parts), o, lse)
     return o, lse

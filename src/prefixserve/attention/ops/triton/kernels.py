@@ -89,9 +89,9 @@ class TritonKernels:
                 **shapes, **grids}
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-            v_cache: torch.Tensor, plan, scale: float) -> torch.Tensor:
+            v_cache: torch.Tensor, plan, scale: float, window: int | None = None) -> torch.Tensor:
         """Write k, v [R, Hkv, D] at plan.slots; o [R, Hq, D] in q's dtype for `plan` (a
-        DevicePlan with this object's extras)."""
+        DevicePlan with this object's extras); window: a sliding layer's."""
         x, new_kv = plan.extra, (k, v, plan.slots)
         if not x["stores"]:
             store_kv(k_cache, v_cache, k, v, plan.slots)
@@ -99,10 +99,10 @@ class TritonKernels:
                 plan.kv_hi, plan.kv_pos, scale)
         out = torch.empty_like(q)
         if x["direct"]:
-            launch_worklist(*args, out, None, self.side, new_kv)
+            launch_worklist(*args, out, None, self.side, new_kv, window)
             return out
         o_s, lse_s = self._scratch if plan.padded else self._new_scratch(x["num_partials"])
-        launch_worklist(*args, o_s, lse_s, self.side, new_kv)
+        launch_worklist(*args, o_s, lse_s, self.side, new_kv, window)
         merge_rows(o_s, lse_s, x["merge_indptr"], x["merge_parts"], out, None)
         return out
 

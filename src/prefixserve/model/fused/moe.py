@@ -1,0 +1,94 @@
+"""The fused MoE op: every token's top-k experts' gated MLPs, weighted and summed, in one call.
+
+    fused_moe(x, w13, w2, topk_weights, topk_ids) -> out              x, out: [T, H]
+        w13: [E, 2I, H] (each expert's gate rows, then up rows); w2: [E, H, I]
+        topk_weights: [T, K] in x's dtype; topk_ids: [T, K] int (distinct per token)
+
+It is HF transformers' Qwen3-MoE expert loop, op for op: per expert e and each (token, slot)
+routed to it, y = (silu(x W_gate^T) * (x W_up^T)) W_down^T * weight, each op rounded to the
+dtype; then out[t] = the sum of token t's K results in ascending expert order, rounded after
+each add (HF's index_add_ in expert order, from zero).
+
+The two grouped GEMMs (`expert_outputs`: [T*K, H], one row per (token, slot) pair) are what
+the device picks: CUDA runs the Triton kernels of `moe_triton` (one launch each over the
+pairs sorted by expert, `align_pairs`); other devices the PyTorch twin in `moe_reference`.
+The routing and the final ordered sum are shared torch ops.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from . import moe_reference
+
+
+@functools.cache
+def _kernels() -> ModuleType:
+    from . import moe_triton
+    return moe_triton
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, K] in the logits' dtype, expert ids [T, K] int64):
+    softmax in fp32, top-k, optionally renormalized to sum to 1 (Qwen3-MoE's norm_topk_prob)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """-> y: [T*K, H], row t*K + k: token t's weighted output of expert topk_ids[t, k]."""
+    ops = _kernels() if x.is_cuda else moe_reference
+    return ops.expert_outputs(x, w13, w2, topk_weights, topk_ids)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    y = expert_outputs(x, w13, w2, topk_weights, topk_ids)
+    return sum_in_expert_order(y, topk_ids)
+
+
+def sum_in_expert_order(y: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """y: [T*K, H], topk_ids: [T, K] -> [T, H]: each token's K rows summed by ascending expert
+    id, rounded to the dtype after each add (0 + a == a exactly, so the first add is free)."""
+    t, k = topk_ids.shape
+    order = topk_ids.argsort(dim=1)  # distinct ids: no ties
+    rows = y.view(t, k, -1).gather(1, order[..., None].expand(-1, -1, y.shape[-1]))
+    out = rows[:, 0]
+    for j in range(1, k):
+        out = out + rows[:, j]
+    return out.contiguous()
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int,
+                block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs sorted by expert, each expert's run padded to a multiple of block_m rows, on the
+    device and without reading anything back (CUDA-graph safe: shapes depend on T, K, E only).
+
+    -> pair_ids [B * block_m] int32: pair t*K + k per row, P = T*K on padding rows;
+       block_expert [B] int32: the expert of each block of block_m rows, -1 past the last.
+    B = ceil((P + E * (block_m - 1)) / block_m), the most blocks any routing needs.
+    """
+    flat = topk_ids.reshape(-1)
+    pairs = flat.numel()
+    # (bincount would read the largest id back to size its output: not capturable)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    rank = torch.arange(pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert]
+    blocks = (pairs + num_experts * (block_m - 1) + block_m - 1) // block_m
+    pair_ids = torch.full((blocks * block_m,), pairs, dtype=torch.int32, device=flat.device)
+    pair_ids[(padded_end - padded)[expert] + rank] = order.to(torch.int32)
+    starts = torch.arange(blocks, device=flat.device) * block_m
+    block_expert = torch.searchsorted(padded_end, starts, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return pair_ids, block_expert
