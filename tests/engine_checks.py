@@ -26,13 +26,13 @@ def hf_greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-def run_checked(llm, prompts, params) -> list:
+def run_checked(llm, prompts, params, partitions=None) -> list:
     """Generate through the engine step by step, checking the cache contract after every step;
-    at the end nothing may be in use."""
+    at the end nothing may be in use. partitions: one (tenant, cache_salt) per prompt."""
     engine = llm.engine
     ids = [f"checked-{id(prompts)}-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, prompt, params)
+    for rid, prompt, (tenant, salt) in zip(ids, prompts, partitions or [("", "")] * len(prompts)):
+        engine.add_request(rid, prompt, params, tenant=tenant, cache_salt=salt)
     done = {}
     while engine.has_unfinished():
         for out in engine.step():

@@ -1,5 +1,6 @@
 """Greedy outputs are token-identical across every attention backend and transformers, on
-shared-system-prompt and hierarchical workloads, with n > 1 and with a pinned system prompt."""
+shared-system-prompt and hierarchical workloads, with n > 1, with a pinned system prompt, and
+with tenants (prompts spread over tenants and cache salts, reading public pinned prefixes)."""
 
 from __future__ import annotations
 
@@ -29,14 +30,18 @@ def references(workloads):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("pinned", [False, True], ids=["unpinned", "pinned"])
-def test_greedy_identical_across_backends(workloads, references, backend, pinned):
+@pytest.mark.parametrize("mode", ["unpinned", "pinned", "tenants"])
+def test_greedy_identical_across_backends(workloads, references, backend, mode):
     prefixes = [prefix for prefix, _ in workloads.values()]
     llm = LLM(attention_backend=backend, kv_cache_memory=128 << 20, chunk_size=16,
-              pinned_prefixes=prefixes if pinned else ())
+              pinned_prefixes=prefixes if mode != "unpinned" else ())
     params = SamplingParams(temperature=0, n=2, max_tokens=NEW, ignore_eos=True)
-    for name, (_, prompts) in workloads.items():
-        outs = run_checked(llm, prompts, params)
+    spread = [("a", ""), ("b", ""), ("a", "salt")]
+    for name, (prefix, prompts) in workloads.items():
+        partitions = [spread[i % 3] for i in range(len(prompts))] if mode == "tenants" else None
+        outs = run_checked(llm, prompts, params, partitions)
         for out, ref in zip(outs, references[name]):
             assert [c.token_ids for c in out.outputs] == [ref, ref], (name, backend)
+            if mode != "unpinned":  # the public pin is read whatever the partition
+                assert out.num_cached_tokens >= len(prefix), (name, backend)
     assert llm.engine.runner.advanced_steps > 0  # decode steps advanced the last plan

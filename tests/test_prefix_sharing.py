@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from prefixserve import LLM, SamplingParams
@@ -96,13 +98,39 @@ def test_outputs_identical_with_caching_on_and_off_under_memory_pressure(hierarc
 
 def test_pinned_prefix_is_prefilled_once_and_never_evicted(tokenizer, hierarchy):
     fewshot, problems = hierarchy
-    llm = LLM(kv_cache_memory=256 << 20, pinned_prefixes=[fewshot])
+    llm = LLM(kv_cache_memory=256 << 20)
+    pin_id = llm.pin_prefix(fewshot)
     assert llm.kv_cache_stats().pinned_tokens == len(fewshot)
     outs = run_checked(llm, [fewshot + p for p in problems], GREEDY)
     stats = llm.kv_cache_stats()
     assert stats.prefix_hit_tokens >= 3 * len(fewshot)
     assert stats.computed_prompt_tokens == distinct_prefix_tokens([fewshot + p for p in problems])
-    llm.unpin_prefix(fewshot)
+    llm.unpin_prefix(pin_id)
     assert llm.kv_cache_stats().pinned_tokens == 0
     llm.check_integrity()
     assert outs[0].outputs[0].token_ids == hf_greedy(fewshot + problems[0], NEW)
+
+
+def test_cache_salts_split_sharing_and_keep_outputs(hierarchy):
+    fewshot, problems = hierarchy
+    prompt = fewshot + problems[0]
+    llm = LLM(kv_cache_memory=256 << 20, max_pinned_tokens_per_tenant=len(fewshot) + 8)
+    outs = llm.generate([prompt, prompt, prompt], GREEDY, use_tqdm=False, cache_salt=["x", "y", "x"])
+    assert [o.num_cached_tokens for o in outs] == [0, 0, len(prompt) - 1]  # only within salt x
+    assert {tuple(o.outputs[0].token_ids) for o in outs} == {tuple(hf_greedy(prompt, NEW))}
+    pin = llm.pin_prefix(fewshot, public=False, cache_salt="z", ttl=2.0)  # private: salt z only
+    expires_at = llm.engine.pins.pins[pin].expires_at
+    assert llm.kv_cache_stats().pinned_tokens == len(fewshot)
+    with pytest.raises(ValueError, match="quota"):
+        llm.pin_prefix(problems[1], public=False, cache_salt="z")
+    other = fewshot + problems[1]
+    outs = llm.generate([other, other], GREEDY, use_tqdm=False, cache_salt=["z", "w"])
+    assert outs[0].num_cached_tokens >= len(fewshot) and outs[1].num_cached_tokens == 0
+    with pytest.raises(ValueError, match="does not fit"):
+        llm.pin_prefix([7] * llm.kv_cache_stats().capacity_tokens)
+    time.sleep(max(0.0, expires_at - time.time()) + 0.05)
+    llm.generate(problems[2], GREEDY, use_tqdm=False)  # a step: the expired pin goes
+    assert llm.kv_cache_stats().pinned_tokens == 0
+    with pytest.raises(ValueError, match="no pinned prefix"):
+        llm.unpin_prefix(pin)
+    llm.check_integrity()

@@ -36,6 +36,8 @@ _HELP = {
                   "the attention kernels), 16 on CPU",
     "kv_cache_memory": "bytes for the KV cache (default: 1 GiB on CPU, 90%% of free GPU memory)",
     "enable_prefix_caching": "find and reuse shared prefixes (off = every request its own copy)",
+    "max_pinned_tokens_per_tenant": "most tokens one tenant may keep pinned (POST /v1/prefixes; public "
+                                    "pins count for no tenant; default: no limit)",
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "token budget of one step (prefill chunks + decode tokens)",
     "overlap_schedule": "schedule and launch each step before reading the last one's tokens, "

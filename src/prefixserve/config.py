@@ -192,10 +192,13 @@ class CacheConfig:
     chunk_size: int | None = None  # token slots per chunk; None: a device-dependent default
     kv_cache_memory: int | None = None  # bytes; None: a device-dependent default
     enable_prefix_caching: bool = True
+    max_pinned_tokens_per_tenant: int | None = None  # None: no quota (public pins never count)
 
     def __post_init__(self):
         if self.chunk_size is not None:
             _positive("chunk_size", self.chunk_size)
+        if self.max_pinned_tokens_per_tenant is not None:
+            _positive("max_pinned_tokens_per_tenant", self.max_pinned_tokens_per_tenant)
         if self.kv_cache_memory is not None:
             _positive("kv_cache_memory", self.kv_cache_memory)
 

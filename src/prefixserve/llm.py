@@ -19,7 +19,8 @@ Conversation = list[dict[str, str]]
 class LLM:
     """An engine for offline batches. Keyword arguments are those of the configs in config.py
     (model, dtype, chunk_size, kv_cache_memory, max_num_seqs, attention_backend, ...), plus
-    `pinned_prefixes`: prompts (text or token ids) prefilled once at start and never evicted."""
+    `pinned_prefixes`: prompts (text or token ids) prefilled once at start and never evicted
+    (public: every cache salt reads them)."""
 
     def __init__(self, model: str | None = None, *, pinned_prefixes: Sequence[Prompt] = (), **kwargs):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
@@ -41,19 +42,23 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs in the order of the prompts."""
+                 use_tqdm: bool = True, *, cache_salt: str | Sequence[str] = "") -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs in the order of the prompts.
+        `cache_salt` (one for all, or one per prompt): prompts share cached prefixes only with
+        prompts of the same salt, and with public pins."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        salts = [cache_salt] * len(prompts) if isinstance(cache_salt, str) else list(cache_salt)
+        for name, given in (("sampling params", params), ("cache salts", salts)):
+            if len(given) != len(prompts):
+                raise ValueError(f"got {len(given)} {name} for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, salt in zip(prompts, params, salts):
                 ids.append(str(next(self._ids)))
-                self.engine.add_request(ids[-1], prompt, p)
+                self.engine.add_request(ids[-1], prompt, p, cache_salt=salt)
         except ValueError:
             for rid in ids:
                 self.engine.abort(rid)
@@ -69,12 +74,15 @@ class LLM:
                    for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def pin_prefix(self, prefix: Prompt) -> list[int]:
-        """Prefill `prefix` now and keep it cached until unpinned; returns its token ids."""
-        return self.engine.pin_prefix(prefix)
+    def pin_prefix(self, prefix: Prompt, *, ttl: float | None = None, public: bool = True,
+                   cache_salt: str = "") -> str:
+        """Prefill `prefix` now and keep it cached until unpinned or `ttl` seconds have passed;
+        returns the pin's id. Public pins are read under every cache salt; a private one only
+        under `cache_salt`. Raises ValueError if it cannot fit beside what may run."""
+        return self.engine.pin_prefix(prefix, ttl=ttl, public=public, cache_salt=cache_salt).id
 
-    def unpin_prefix(self, prefix: Prompt) -> None:
-        self.engine.unpin_prefix(prefix)
+    def unpin_prefix(self, pin_id: str) -> None:
+        self.engine.unpin(pin_id)
 
     def kv_cache_stats(self) -> KVCacheStats:
         return self.engine.kv_cache_stats()

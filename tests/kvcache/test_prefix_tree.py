@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from prefixserve.kvcache.chunk_pool import ChunkPool, OutOfChunks
-from prefixserve.kvcache.prefix_tree import PENDING, PrefixTree
+from prefixserve.kvcache.prefix_tree import DEFAULT, PENDING, PUBLIC, Partition, PrefixTree
 
 
 def make_tree(num_chunks=16, chunk_size=4, caching=True) -> PrefixTree:
@@ -110,7 +110,7 @@ def test_pinned_prefix_survives_eviction_until_unpinned():
     tree.release(p)
     with pytest.raises(OutOfChunks):
         tree.insert([1] * 12, 11)
-    tree.unpin([7] * 8)
+    tree.unpin(p)
     leaf, _ = tree.insert([1] * 12, 11)
     assert leaf.chunks == [2, 3, 1]  # the free ones, then one of the evicted prefix's
     assert [n.tokens[0] for n in tree.iter_nodes()] == [1]
@@ -130,6 +130,7 @@ def test_extend_appends_in_place_or_forks_a_child():
 
 # ---- property test against a simple model: each running sequence is its token list -------------
 
+PARTITIONS = (DEFAULT, Partition("a"), Partition("a", "salt"), PUBLIC)
 ops = st.lists(st.tuples(st.sampled_from(["add", "step", "finish", "abort", "pin", "unpin"]),
                          st.integers(0, 10 ** 6)), min_size=1, max_size=60)
 
@@ -140,20 +141,21 @@ def test_random_streams_keep_the_contract(ops, chunk_size, caching):
     import random
     tree = make_tree(num_chunks=24, chunk_size=chunk_size, caching=caching)
     running: dict[int, tuple[object, list[int]]] = {}  # id -> (leaf, tokens)
-    pinned: list[list[int]] = []
+    pinned: list[object] = []
     for i, (op, r) in enumerate(ops):
         rng = random.Random(r)
         if op == "add" or (op == "pin" and caching):
             prompt = [rng.choice([1, 2]) for _ in range(rng.randint(1, 9))]
+            part = rng.choice(PARTITIONS)
             try:
-                leaf, _ = tree.insert(prompt, len(prompt) if op == "pin" else len(prompt) - 1)
+                leaf, _ = tree.insert(prompt, len(prompt) if op == "pin" else len(prompt) - 1, part)
             except OutOfChunks:
                 continue
             if op == "pin":
                 computed(tree, leaf)
                 tree.pin(leaf)
                 tree.release(leaf)
-                pinned.append(prompt)
+                pinned.append(leaf)
             else:
                 running[i] = (leaf, prompt)
         elif op == "step" and running:
@@ -175,8 +177,9 @@ def test_random_streams_keep_the_contract(ops, chunk_size, caching):
         elif op == "unpin" and pinned:
             tree.unpin(pinned.pop(rng.randrange(len(pinned))))
         tree.check_integrity()
-        for leaf, toks in running.values():  # the model: each path spells its tokens
+        for leaf, toks in running.values():  # the model: each path spells its tokens, in its partition
             assert [t for n in tree.path(leaf) for t in n.tokens] == toks
+            assert {n.partition for n in tree.path(leaf)} <= {leaf.partition, PUBLIC}
     for leaf, _ in running.values():
         tree.release(leaf)
     for p in pinned:
@@ -216,15 +219,69 @@ def test_pending_tokens_match_nothing_until_resolved():
     assert tree.insert([1, 2, 3, 4, 5], 5)[0] is prompt  # a second sample holds the same leaf
     computed(tree, prompt)
     a = tree.extend(prompt, [PENDING])  # a fork whose first token is pending: not listed
-    assert a is not prompt and not a.listed and PENDING not in prompt.index
+    assert a is not prompt and not a.listed and (DEFAULT, PENDING) not in prompt.index
     tree.check_integrity()
     tree.resolve(a, 5, 9)
-    assert a.listed and prompt.index[9] is a and a.tokens == [9]
+    assert a.listed and prompt.index[DEFAULT, 9] is a and a.tokens == [9]
     a = tree.extend(a, [PENDING])  # in place: the first token is real, the listing stands
     assert a.tokens == [9, PENDING]
     b, matched = tree.insert([1, 2, 3, 4, 5, 9, 7, 8], 7)  # matches up to the pending token
     assert matched == 6 and a.tokens == [PENDING] and not a.listed and a.parent.tokens == [9]
     tree.check_integrity()
     tree.resolve(a, 6, 7)  # the same token as b's first: b keeps the listing
-    assert not a.listed and b.parent is a.parent and a.parent.index == {7: b}
+    assert not a.listed and b.parent is a.parent and a.parent.index == {(DEFAULT, 7): b}
+    tree.check_integrity()
+
+
+# ---- partitions (tenants, cache salts) -----------------------------------------------------------
+
+A, B, A_SALTED = Partition("a"), Partition("b"), Partition("a", "s1")
+
+
+def test_partitions_never_match_each_others_nodes():
+    tree = make_tree()
+    a, _ = tree.insert([1, 2, 3, 4, 5, 6], 6, A)  # chunks 0, 1
+    computed(tree, a)
+    tree.release(a)
+    b, matched = tree.insert([1, 2, 3, 4, 5, 6], 6, B)
+    assert matched == 0 and b.chunks == [2, 3] and b.partition == B
+    salted, matched = tree.insert([1, 2, 3, 4, 5, 6], 6, A_SALTED)
+    assert matched == 0 and salted.chunks == [4, 5]
+    again, matched = tree.insert([1, 2, 3, 4, 5, 6, 7], 6, A)
+    assert matched == 6 and again.parent is a and a.tokens == [1, 2, 3, 4, 5, 6]
+    assert set(tree.root.index) == {(A, 1), (B, 1), (A_SALTED, 1)}
+    tree.check_integrity()
+
+
+def test_a_public_prefix_is_read_by_every_partition_and_continued_privately():
+    tree = make_tree()
+    pub, _ = tree.insert([7, 7, 7, 7, 7, 7], 6, PUBLIC)  # chunks 0, 1 (slots 0-5)
+    computed(tree, pub)
+    tree.pin(pub)
+    tree.release(pub)
+    a, matched = tree.insert([7, 7, 7, 7, 7, 7, 1, 2], 7, A)
+    assert matched == 6 and a.parent is pub and a.partition == A
+    # no tail child across partitions: A starts a fresh chunk, never writes in chunk 1
+    assert a.offset == 0 and a.chunks == [2] and pub.tail_child is None
+    computed(tree, a)
+    b, matched = tree.insert([7, 7, 7, 7, 7, 7, 1, 2], 7, B)
+    assert matched == 6 and b.parent is pub and b.chunks == [3]  # not A's continuation
+    part, matched = tree.insert([7, 7, 7, 9], 3, B)  # splits the public node for B
+    assert matched == 3 and part.parent.partition == PUBLIC and part.partition == B
+    tree.check_integrity()
+
+
+def test_the_public_partition_reads_no_private_node():
+    tree = make_tree()
+    a, _ = tree.insert([1, 2, 3, 4], 4, A)
+    computed(tree, a)
+    pub, matched = tree.insert([1, 2, 3, 4], 4, PUBLIC)
+    assert matched == 0 and pub.chunks == [1]
+    computed(tree, pub)
+    tree.pin(pub)
+    tree.release(pub)
+    tree.release(a)
+    a2, matched = tree.insert([1, 2, 3, 4, 5], 4, A)  # both match 4 tokens: the public one wins
+    assert matched == 4 and a2.parent is pub
+    assert tree.pinned_chunks() == 1
     tree.check_integrity()

@@ -1,10 +1,11 @@
-"""`prefixserve bench kernels | throughput | serve`: each a module with `register(subparsers)`."""
+"""`prefixserve bench kernels | throughput | serve | side-channel`: each a module with `register(subparsers)`."""
 
 from __future__ import annotations
 
 import importlib
 
-BENCHMARKS = ("prefixserve.bench.kernels", "prefixserve.bench.throughput", "prefixserve.bench.serving")
+BENCHMARKS = ("prefixserve.bench.kernels", "prefixserve.bench.throughput", "prefixserve.bench.serving",
+              "prefixserve.bench.side_channel")
 
 
 def register(sub) -> None:

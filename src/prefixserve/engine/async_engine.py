@@ -105,7 +105,6 @@ class AsyncEngine:
         self._engine, self._observer = engine, observer
         self.tokenizer, self.model_name = engine.tokenizer, engine.model_name
         self.max_model_len = engine.max_model_len
-        self.max_sequence_tokens = engine.max_sequence_tokens
         self.backend_name = engine.backend.name
         self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future | None]] = \
             collections.deque()
@@ -161,12 +160,47 @@ class AsyncEngine:
             return f"engine has made no progress for {stalled:.0f} s"
         return None
 
+    @property
+    def max_sequence_tokens(self) -> int:
+        return self._engine.max_sequence_tokens  # one int read; it shrinks as prefixes are pinned
+
     # ---- requests (the event loop) ---------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams) -> RequestStream:
-        """Raises ValueError (bad input, from the engine) or EngineDeadError."""
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          tenant: str = "", cache_salt: str = "") -> RequestStream:
+        """Raises ValueError (bad input, from the engine) or EngineDeadError. The request shares
+        cached prefixes only within (tenant, cache_salt) and with public pins."""
+        return await self._start(request_id, lambda: self._engine.add_request(
+            request_id, prompt, params, tenant=tenant, cache_salt=cache_salt))
+
+    async def pin(self, pin_id: str, prompt: list[int], **kwargs) -> dict:
+        """Pin a prefix (LLMEngine.add_pin's keywords) and wait until it is settled; its info().
+        ValueError: refused (quota, bad ttl, or no room: then nothing is pinned)."""
+        stream = await self._start(pin_id, lambda: self._engine.add_pin(pin_id, prompt, **kwargs))
+        try:
+            out = [o async for o in stream][-1]
+        finally:
+            stream.abort()
+        if out.outputs[0].finish_reason != "pinned":
+            raise ValueError(f"the pin of {len(prompt)} tokens does not fit in the KV cache beside the pinned "
+                             f"prefixes and the requests that may run")
+        return await asyncio.wrap_future(self._call(lambda: self._pin_info(pin_id)))
+
+    async def unpin(self, pin_id: str, owner: str | None) -> dict:
+        """Remove the owner's pin (None: anyone's); ValueError if there is none."""
+        return await asyncio.wrap_future(self._call(lambda: self._engine.unpin(pin_id, owner).info()))
+
+    async def list_pins(self, owner: str | None) -> list[dict]:
+        return await asyncio.wrap_future(self._call(lambda: [p.info() for p in self._engine.list_pins(owner)]))
+
+    def _pin_info(self, pin_id: str) -> dict:
+        pin = self._engine.pins.pins.get(pin_id)
+        if pin is None:
+            raise ValueError(f"the pin {pin_id!r} expired before it could be reported: give a longer ttl")
+        return pin.info()
+
+    async def _start(self, request_id: str, add: Callable[[], Any]) -> RequestStream:
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
-        future = self._call(lambda: self._add(stream, prompt, params))
+        future = self._call(lambda: self._add(stream, add))
         try:
             await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -258,8 +292,8 @@ class AsyncEngine:
                 self._forget(out.request_id)
         self._publish(force=False)
 
-    def _add(self, stream: RequestStream, prompt: str | list[int], params: SamplingParams) -> None:
-        self._engine.add_request(stream.request_id, prompt, params)
+    def _add(self, stream: RequestStream, add: Callable[[], Any]) -> None:
+        add()
         self._streams[stream.request_id] = stream
         if self._observer is not None:
             self._observer.on_add(stream.request_id, time.monotonic())

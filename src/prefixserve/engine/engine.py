@@ -31,12 +31,13 @@ import time
 import torch
 
 from ..config import EngineConfig, ModelConfig
-from ..kvcache.prefix_tree import PrefixTree
+from ..kvcache.prefix_tree import PUBLIC, Partition, PrefixTree
 from ..model import loader
 from ..model.parallel import TPGroup, check_divides
 from ..sampling_params import SamplingParams
 from .detokenizer import with_decoded_tokens
 from .model_runner import Launched, ModelRunner
+from .pins import Pin, PinTable
 from .request import PENDING, Request, RequestOutput, Sequence, Status
 from .sampler import Sampler, has_penalty
 from .scheduler import Scheduler, SchedulerOutput
@@ -46,6 +47,13 @@ from .workers import Workers, build_rank
 log = logging.getLogger(__name__)
 
 STEP_ERROR = "error"  # the finish reason of a request whose step raised
+
+@dataclasses.dataclass(frozen=True)
+class TenantUsage:
+    tenant: str
+    prompt_tokens: int  # cumulative, over admitted sequences
+    cached_tokens: int  # of those, found in the tree at admission
+    pinned_tokens: int  # now, in the tenant's active pins
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +68,7 @@ class KVCacheStats:
     prompt_tokens: int  # cumulative, over admitted sequences
     prefix_hit_tokens: int  # prompt tokens found in the tree at admission
     computed_prompt_tokens: int  # prompt tokens run through the model
+    tenants: tuple[TenantUsage, ...] = ()
 
 
 class LLMEngine:
@@ -87,6 +96,7 @@ class LLMEngine:
                         "extrapolated (fine for speed benchmarks on dummy weights)",
                         self.max_model_len, m.max_position_embeddings)
         log.info("KV cache: %d chunks of %d tokens", self.pool.num_chunks, self.pool.chunk_size)
+        self._pinned_chunks = 0  # tree.pinned_chunks(), recounted when a pin comes or goes
         if self.max_sequence_tokens < 2:  # a prompt token and a generated one
             self.close()
             raise ValueError(f"the KV cache ({self.pool.num_chunks} chunks of {self.pool.chunk_size} tokens, with "
@@ -96,6 +106,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.runner = ModelRunner(rank, self.tree, Sampler(self.eos_token_ids), self.workers)
         self.requests: dict[str, Request] = {}
+        self.pins = PinTable(cfg.cache.max_pinned_tokens_per_tenant)
         self._inflight: collections.deque[Launched] = collections.deque()
         self._penalized: set[str] = set()  # running requests with penalties (they need token values)
         self._seq_ids = itertools.count()
@@ -122,6 +133,7 @@ class LLMEngine:
             return self._fail_step()
 
     def _step(self) -> list[RequestOutput]:
+        self._expire_pins()
         overlap = self._can_overlap()
         outputs = [] if overlap else self._collect_all(keep=0)
         self._stepping = []
@@ -130,7 +142,7 @@ class LLMEngine:
         if sched.seqs:
             self._inflight.append(self._launch(sched))
         outputs += self._collect_all(keep=1 if overlap and sched.seqs else 0)
-        return outputs
+        return outputs + self._settle_pins()
 
     def _fail_step(self) -> list[RequestOutput]:
         """End every request of the failed step and of the steps in flight (their tokens are
@@ -147,6 +159,7 @@ class LLMEngine:
                     self.scheduler.finish(seq, STEP_ERROR)
             self.requests.pop(req.request_id, None)
             self._penalized.discard(req.request_id)
+            self.pins.discard_pending(req.request_id)  # a pin whose prefill failed is not made
         return [req.output() for req in failed.values()]
 
     def has_unfinished(self) -> bool:
@@ -158,18 +171,25 @@ class LLMEngine:
     @property
     def max_sequence_tokens(self) -> int:
         """The most tokens (prompt + generated) one sequence can ever hold: the context, or what
-        the KV cache can give it with one chunk to spare."""
-        return min(self.max_model_len, (self.pool.num_chunks - 1) * self.pool.chunk_size)
+        the KV cache can give it beside the pinned chunks with one chunk to spare."""
+        return min(self.max_model_len, (self.pool.num_chunks - self._pinned_chunks - 1) * self.pool.chunk_size)
 
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    prefill_only: bool = False) -> Request:
+                    *, tenant: str = "", cache_salt: str = "") -> Request:
+        """Queue a request. It shares cached prefixes only with requests of the same tenant and
+        cache salt, and with public pins (kvcache/prefix_tree.py)."""
+        self._expire_pins()  # before validating: what they held is room the request may use
+        text, ids = self._tokenize(prompt)
+        return self._add(request_id, text, ids, params, False, tenant, Partition(tenant, cache_salt))
+
+    def _add(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+             prefill_only: bool, tenant: str, partition: Partition) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self._tokenize(prompt)
         params = self._validate(ids, params, prefill_only)
-        req = Request(request_id, text, ids, params, prefill_only)
+        req = Request(request_id, text, ids, params, prefill_only, tenant, partition)
         if has_penalty(params):
             self._penalized.add(request_id)
         for i in range(1 if prefill_only else params.n):
@@ -180,29 +200,98 @@ class LLMEngine:
         return req
 
     def abort(self, request_id: str) -> None:
+        self.pins.discard_pending(request_id)
         req = self.requests.pop(request_id, None)
         self._penalized.discard(request_id)
         for seq in req.seqs if req else ():
             if not seq.finished:
                 self.scheduler.finish(seq, "abort")
 
-    # ---- pinned prefixes (RelayAttention's system KV, filled once) -----------------------------
-    def pin_prefix(self, prompt: str | list[int]) -> list[int]:
+    # ---- pinned prefixes (RelayAttention's system KV, filled once; engine/pins.py) ------------
+    def add_pin(self, pin_id: str, prompt: str | list[int], *, tenant: str = "", cache_salt: str = "",
+                public: bool = False, ttl: float | None = None) -> Request:
+        """Start pinning `prompt`: the next steps prefill it like any request, which then finishes
+        with reason "pinned" (active) or "refused" (it did not fit; nothing pinned). A public pin
+        is read by every partition, a private one by (tenant, cache_salt). ValueError: a bad
+        prompt or ttl, the tenant's quota, or a pin that cannot fit beside the live sequences."""
         if not self.cfg.cache.enable_prefix_caching:
             raise ValueError("pinned prefixes need enable_prefix_caching=True")
-        rid = f"pin-{next(self._seq_ids)}"
-        seq = self.add_request(rid, prompt, SamplingParams(max_tokens=1), prefill_only=True).seqs[0]
-        while seq.leaf is None or self.tree.frontier(seq.leaf)[1] is not None:
-            self.step()
-            if seq.finished:
-                raise RuntimeError(f"pinning a prefix of {len(seq.prompt_token_ids)} tokens failed (see the log)")
-        self.tree.pin(seq.leaf)
-        self.scheduler.finish(seq, "pinned")
-        del self.requests[rid]
-        return seq.prompt_token_ids
+        if ttl is not None and not (isinstance(ttl, (int, float)) and 0 < ttl < float("inf")):
+            raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+        self._expire_pins()
+        text, ids = self._tokenize(prompt)
+        if not self._pin_fits(-(-len(ids) // self.pool.chunk_size)):
+            raise ValueError(f"a pin of {len(ids)} tokens does not fit in the KV cache beside "
+                             f"{self._pinned_chunks * self.pool.chunk_size} pinned tokens and the running requests")
+        partition = PUBLIC if public else Partition(tenant, cache_salt)
+        self.pins.add(Pin(pin_id, tenant, partition, ids, ttl))
+        try:
+            return self._add(pin_id, text, ids, SamplingParams(max_tokens=1), True, tenant, partition)
+        except ValueError:
+            self.pins.discard_pending(pin_id)
+            raise
 
-    def unpin_prefix(self, prompt: str | list[int]) -> None:
-        self.tree.unpin(self._tokenize(prompt)[1])
+    def pin_prefix(self, prompt: str | list[int], **kwargs) -> Pin:
+        """`add_pin`, then step until it is settled (offline use and start-up: nothing else may be
+        in flight, as this drops other requests' outputs). Raises ValueError if refused."""
+        pin_id = f"pin-{next(self._seq_ids)}"
+        req = self.add_pin(pin_id, prompt, **kwargs)
+        while not req.finished:
+            self.step()
+        if req.seqs[0].finish_reason == STEP_ERROR:
+            raise RuntimeError(f"pinning a prefix of {len(req.prompt_token_ids)} tokens failed (see the log)")
+        if req.seqs[0].finish_reason != "pinned":
+            raise ValueError(f"the pin of {len(req.prompt_token_ids)} tokens does not fit in the KV cache")
+        return self.pins.pins[pin_id]
+
+    def unpin(self, pin_id: str, owner: str | None = None) -> Pin:
+        """Remove a pin (pending or active) made by `owner` (None: by anyone). ValueError if none."""
+        pin = self.pins.pins.get(pin_id)
+        if pin is None or owner is not None and pin.owner != owner:
+            raise ValueError(f"no pinned prefix {pin_id!r}")
+        if pin.active:
+            del self.pins.pins[pin_id]
+            self.tree.unpin(pin.leaf)
+            self._pinned_chunks = self.tree.pinned_chunks()
+        else:
+            self.abort(pin_id)
+        return pin
+
+    def _pin_fits(self, extra_chunks: int) -> bool:
+        """Pinned chunks, plus `extra_chunks`, plus the largest live sequence at its longest,
+        plus one spare chunk, fit in the pool."""
+        C = self.pool.chunk_size
+        live = [s for s in self.scheduler.running + list(self.scheduler.waiting) if not s.request.prefill_only]
+        need = max((-(-(len(s.prompt_token_ids) + s.params.max_tokens) // C) for s in live), default=1)
+        return self._pinned_chunks + extra_chunks + need + 1 <= self.pool.num_chunks
+
+    def _settle_pins(self) -> list[RequestOutput]:
+        """Pin the pending pins whose prompts are computed (or refuse them), ending their requests."""
+        outputs = []
+        for pin in self.pins.pending():
+            seq = self.requests[pin.id].seqs[0]
+            if seq.leaf is None or self.tree.frontier(seq.leaf)[1] is not None:
+                continue
+            if self._pin_fits(sum(len(n.owned_chunks) for n in self.tree.path(seq.leaf) if not n.pins)):
+                self.tree.pin(seq.leaf)
+                self.pins.activate(pin, seq.leaf, time.time())
+                self._pinned_chunks = self.tree.pinned_chunks()
+                self.scheduler.finish(seq, "pinned")
+            else:
+                self.pins.discard_pending(pin.id)
+                self.scheduler.finish(seq, "refused")
+            outputs.append(self.requests.pop(pin.id).output())
+        return outputs
+
+    def _expire_pins(self) -> None:
+        for pin in self.pins.expired(time.time()):
+            log.info("pinned prefix %s (%d tokens) expired", pin.id, len(pin.token_ids))
+            self.unpin(pin.id)
+
+    def list_pins(self, owner: str | None = None) -> list[Pin]:
+        """The owner's pins (None: all), after dropping the expired ones."""
+        self._expire_pins()
+        return self.pins.visible_to(owner)
 
     # ---- state ------------------------------------------------------------------------------
     def _track_peak(self) -> None:
@@ -222,10 +311,20 @@ class LLMEngine:
             logical_tokens=sum(s.num_tokens for s in self.scheduler.running),
             pinned_tokens=pinned, prompt_tokens=self.scheduler.prompt_tokens,
             prefix_hit_tokens=self.scheduler.prefix_hit_tokens,
-            computed_prompt_tokens=self.computed_prompt_tokens)
+            computed_prompt_tokens=self.computed_prompt_tokens, tenants=self._tenant_usage())
+
+    def _tenant_usage(self) -> tuple[TenantUsage, ...]:
+        pinned = self.pins.pinned_tokens_by_owner()
+        counts = self.scheduler.tenant_tokens
+        return tuple(TenantUsage(t, *counts.get(t, (0, 0)), pinned.get(t, 0))
+                     for t in sorted(counts.keys() | pinned.keys()))
 
     def check_integrity(self) -> None:
         self.tree.check_integrity()
+        assert self._pinned_chunks == self.tree.pinned_chunks(), "pinned chunks miscounted"
+        for pin in self.pins.pins.values():
+            assert pin.active == (pin.leaf is not None) and (not pin.active or pin.leaf.pins > 0), pin.id
+            assert pin.active or pin.id in self.requests, f"pending pin {pin.id} has no request"
         for seq in self.scheduler.running:
             assert seq.leaf is not None and seq.leaf.end <= seq.num_tokens
         for seq in self.scheduler.waiting:

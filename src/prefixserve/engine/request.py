@@ -16,7 +16,7 @@ import dataclasses
 import enum
 import time
 
-from ..kvcache.prefix_tree import PENDING, Node
+from ..kvcache.prefix_tree import DEFAULT, PENDING, Node, Partition
 from ..sampling_params import Logprob, SamplingParams
 from .detokenizer import IncrementalDetokenizer
 
@@ -118,9 +118,12 @@ class RequestOutput:
 
 class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, prefill_only: bool = False):
+                 params: SamplingParams, prefill_only: bool = False, tenant: str = "",
+                 partition: Partition = DEFAULT):
         self.request_id, self.prompt, self.params = request_id, prompt, params
         self.prompt_token_ids = prompt_token_ids
+        self.tenant = tenant  # who sent it (metrics); never widens sharing
+        self.partition = partition  # the tree nodes it may share (prefix_tree.py)
         self.prefill_only = prefill_only  # pin requests: compute the prompt, sample nothing
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None

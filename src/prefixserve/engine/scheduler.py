@@ -64,6 +64,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.prefix_hit_tokens = self.prompt_tokens = self.num_preemptions = 0
+        self.tenant_tokens: dict[str, list[int]] = {}  # tenant -> [prompt tokens, prefix hit tokens]
         self._last_sig: tuple | None = None  # (tree version, leaves) of the last sorted grant
         self._last_perm: list[int] = []
 
@@ -135,16 +136,19 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> int | None:
         """Insert the sequence's tokens into the tree; -> tokens matched, None if out of chunks."""
-        tokens = seq.token_ids
-        limit = len(tokens) if seq.request.prefill_only else len(tokens) - 1
+        tokens, req = seq.token_ids, seq.request
+        limit = len(tokens) if req.prefill_only else len(tokens) - 1
         try:
-            seq.leaf, matched = self.tree.insert(tokens, limit)
+            seq.leaf, matched = self.tree.insert(tokens, limit, req.partition)
         except OutOfChunks:
             return None
         if seq.cached_prompt_tokens is None:  # first admission (not a return from preemption)
             seq.cached_prompt_tokens = matched
             self.prefix_hit_tokens += matched
             self.prompt_tokens += len(seq.prompt_token_ids)
+            counts = self.tenant_tokens.setdefault(req.tenant, [0, 0])
+            counts[0] += len(seq.prompt_token_ids)
+            counts[1] += matched
         seq.status = Status.RUNNING
         self.running.append(seq)
         return matched

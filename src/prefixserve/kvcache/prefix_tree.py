@@ -18,6 +18,14 @@ Matching is automatic and at token granularity. Tokens are matched whether compu
 (in-batch sharing: a request admitted beside another with the same prefix waits for it rather
 than computing the prefix again); the scheduler derives what is computed from `num_computed`.
 
+Partitions (tenancy). Every node belongs to one `Partition` (tenant, cache salt). A sequence
+matches, splits and shares only nodes of its own partition and nodes of the `PUBLIC` one (made
+by public pins: the operator's choice to share). So below the root and below a public node,
+children are indexed by (partition, first token); a node's children are all of its partition
+unless it is public. A child never continues inside a chunk of another partition (no tail child
+across partitions): two partitions share storage, prefill and decode reads only through public
+nodes. What remains shared across partitions is the pool itself: LRU eviction is global.
+
 Pending tokens. A token sampled on the device but not yet read by the host (overlapped
 scheduling) is held as `PENDING` (only ever a path's last token) and set by `resolve` once
 read. PENDING matches no real token, and a node that starts with it is not listed in its
@@ -27,23 +35,34 @@ parent's index until resolved.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from .chunk_pool import ChunkPool, OutOfChunks
 
 PENDING = -1  # a token whose value is still on the device (never a real token id)
 
 
+class Partition(NamedTuple):
+    """Who may share a prefix: sequences of one partition, and anyone through PUBLIC nodes."""
+
+    tenant: str | None  # None only for PUBLIC
+    salt: str = ""
+
+
+PUBLIC = Partition(None)
+DEFAULT = Partition("")  # the single tenant of a server without tenants, and of `LLM`
+
+
 class Node:
     __slots__ = ("id", "parent", "children", "index", "tokens", "offset", "_chunks", "_chunk_tuple",
-                 "pos_start", "num_computed", "ref", "pins", "last_use", "tail_child", "listed")
+                 "pos_start", "num_computed", "ref", "pins", "last_use", "tail_child", "listed", "partition")
 
     def __init__(self, node_id: int, parent: "Node | None", tokens: list[int], offset: int,
-                 chunks: list[int], pos_start: int):
-        self.id, self.parent, self.tokens = node_id, parent, tokens
+                 chunks: list[int], pos_start: int, partition: Partition = PUBLIC):
+        self.id, self.parent, self.tokens, self.partition = node_id, parent, tokens, partition
         self.offset, self.chunks, self.pos_start = offset, chunks, pos_start
         self.children: list[Node] = []
-        self.index: dict[int, Node] = {}  # first token -> listed child (the matchable ones)
+        self.index: dict[tuple[Partition, int], Node] = {}  # (partition, first token) -> listed child
         self.num_computed = self.ref = self.pins = self.last_use = 0
         self.tail_child: Node | None = None
         self.listed = True
@@ -62,6 +81,11 @@ class Node:
         if len(self._chunk_tuple) != len(self._chunks):
             self._chunk_tuple = tuple(self._chunks)
         return self._chunk_tuple
+
+    @property
+    def key(self) -> tuple[Partition, int]:
+        """This node's key in its parent's index."""
+        return self.partition, self.tokens[0]
 
     @property
     def end(self) -> int:
@@ -135,15 +159,18 @@ class PrefixTree:
             node = node.parent
 
     # ---- admission and growth ----------------------------------------------------------------
-    def insert(self, tokens: list[int], match_limit: int) -> tuple[Node, int]:
-        """Hold a path spelling `tokens`, reusing at most `match_limit` leading tokens already in
-        the tree. Returns (leaf, number of tokens matched). Raises OutOfChunks, holding nothing."""
-        node, matched = self._match(tokens[:match_limit], split=True) if self.caching else (self.root, 0)
+    def insert(self, tokens: list[int], match_limit: int,
+               partition: Partition = DEFAULT) -> tuple[Node, int]:
+        """Hold a path spelling `tokens` in `partition`, reusing at most `match_limit` leading
+        tokens already in the tree (in that partition or public). Returns (leaf, number of tokens
+        matched). Raises OutOfChunks, holding nothing."""
+        node, matched = (self._match(tokens[:match_limit], partition, split=True) if self.caching
+                         else (self.root, 0))
         self._acquire(node)
         if matched == len(tokens):
             return node, matched
         try:
-            leaf = self._add_child(node, tokens[matched:])
+            leaf = self._add_child(node, tokens[matched:], partition)
         except OutOfChunks:
             self.release(node)
             raise
@@ -153,7 +180,7 @@ class PrefixTree:
     def extend(self, leaf: Node, tokens: list[int]) -> Node:
         """Append tokens to a held path; returns its (possibly new) leaf. Raises OutOfChunks."""
         if leaf is self.root or leaf.children or leaf.ref > 1 or leaf.pins:
-            child = self._add_child(leaf, tokens)
+            child = self._add_child(leaf, tokens, leaf.partition)
             self._move_holder(leaf, child)
             return child
         need = _num_chunks(leaf.offset, len(leaf.tokens) + len(tokens), self.C) - len(leaf.chunks)
@@ -167,8 +194,8 @@ class PrefixTree:
         j = pos - leaf.pos_start
         assert leaf.tokens[j] == PENDING, (leaf, pos)
         leaf.tokens[j] = token
-        if j == 0 and token not in leaf.parent.index:
-            leaf.parent.index[token] = leaf
+        if j == 0 and leaf.key not in leaf.parent.index:
+            leaf.parent.index[leaf.key] = leaf
             leaf.listed = True
 
     def release(self, leaf: Node) -> None:
@@ -181,26 +208,28 @@ class PrefixTree:
 
     # ---- pinning ---------------------------------------------------------------------------
     def pin(self, leaf: Node) -> None:
+        """Keep the path to `leaf` (held, fully computed) until `unpin(leaf)`. The leaf object
+        stays the pin's end: a split keeps the lower part's identity."""
         for node in self.path(leaf):
             node.pins += 1
 
-    def unpin(self, tokens: list[int]) -> Node:
-        node, matched = self._match(tokens, split=False)
-        if matched != len(tokens) or node.end != len(tokens) or not node.pins:
-            raise ValueError(f"no pinned prefix of {len(tokens)} tokens matches")
-        for n in self.path(node):
+    def unpin(self, leaf: Node) -> None:
+        assert leaf.pins > 0, leaf
+        for n in self.path(leaf):
             n.pins -= 1
-        self._cleanup(node)
-        return node
+        self._cleanup(leaf)
+
+    def pinned_chunks(self) -> int:
+        """Chunks owned by pinned nodes: memory no sequence can get back by eviction."""
+        return sum(len(n.owned_chunks) for n in self.nodes.values() if n.pins)
 
     # ---- internals ---------------------------------------------------------------------------
-    def _match(self, tokens: list[int], split: bool) -> tuple[Node, int]:
+    def _match(self, tokens: list[int], partition: Partition, split: bool) -> tuple[Node, int]:
         node, i = self.root, 0
         while i < len(tokens):
-            child = node.index.get(tokens[i])
+            child, k = self._best_child(node, tokens[i:], partition)
             if child is None:
                 break
-            k = _common_prefix(child.tokens, tokens[i:])
             if k < len(child.tokens):
                 if split:
                     node, i = self._split(child, k), i + k
@@ -208,40 +237,54 @@ class PrefixTree:
             node, i = child, i + k
         return node, i
 
+    def _best_child(self, node: Node, tokens: list[int], partition: Partition) -> tuple[Node | None, int]:
+        """The child of `node` that `partition` may read and that matches the most of `tokens`
+        (its own or a public one; a tie goes to the public one), and how many it matches."""
+        best, best_k = None, 0
+        for part in (partition, PUBLIC) if partition != PUBLIC else (PUBLIC,):
+            child = node.index.get((part, tokens[0]))
+            k = _common_prefix(child.tokens, tokens) if child is not None else 0
+            if k and k >= best_k:
+                best, best_k = child, k
+        return best, best_k
+
     def _split(self, node: Node, k: int) -> Node:
         """Cut `node` after its k-th token; the new upper node is returned, `node` keeps the rest
         (so the leaf pointers that holders keep stay valid)."""
         parent, C, cut = node.parent, self.C, node.offset + k
         up = self._new_node(parent, node.tokens[:k], node.offset, node.chunks[:(cut - 1) // C + 1],
-                            node.pos_start, listed=node.listed, register=False)
+                            node.pos_start, node.partition, listed=node.listed, register=False)
         up.num_computed, up.ref, up.pins, up.last_use = min(k, node.num_computed), node.ref, node.pins, node.last_use
         parent.children[parent.children.index(node)] = up
         if node.listed:
-            parent.index[node.tokens[0]] = up
+            parent.index[node.key] = up
         if parent.tail_child is node:
             parent.tail_child = up
         node.tokens, node.chunks, node.offset = node.tokens[k:], node.chunks[cut // C:], cut % C
         node.pos_start += k
         node.num_computed = max(0, node.num_computed - k)
         node.parent, node.listed = up, node.tokens[0] != PENDING
-        up.children, up.index = [node], {node.tokens[0]: node} if node.listed else {}
+        up.children, up.index = [node], {node.key: node} if node.listed else {}
         up.tail_child = node if node.offset else None
         return up
 
-    def _add_child(self, parent: Node, tokens: list[int]) -> Node:
+    def _add_child(self, parent: Node, tokens: list[int], partition: Partition) -> Node:
+        assert parent.partition in (partition, PUBLIC), (parent, partition)
         end_slot = parent.offset + len(parent.tokens)
-        tail = parent is not self.root and parent.tail_child is None and end_slot % self.C != 0
+        tail = (parent is not self.root and parent.tail_child is None and end_slot % self.C != 0
+                and parent.partition == partition)
         offset = end_slot % self.C if tail else 0
         chunks = [parent.chunks[-1]] if tail else []
         chunks += self._alloc_many(_num_chunks(offset, len(tokens), self.C) - len(chunks))
-        node = self._new_node(parent, list(tokens), offset, chunks, parent.end,
-                              listed=tokens[0] != PENDING and tokens[0] not in parent.index, register=True)
+        listed = tokens[0] != PENDING and (partition, tokens[0]) not in parent.index
+        node = self._new_node(parent, list(tokens), offset, chunks, parent.end, partition,
+                              listed=listed, register=True)
         if tail:
             parent.tail_child = node
         return node
 
-    def _new_node(self, parent, tokens, offset, chunks, pos_start, listed, register) -> Node:
-        node = Node(self._next_id, parent, tokens, offset, chunks, pos_start)
+    def _new_node(self, parent, tokens, offset, chunks, pos_start, partition, listed, register) -> Node:
+        node = Node(self._next_id, parent, tokens, offset, chunks, pos_start, partition)
         self._next_id += 1
         self.version += 1
         self.nodes[node.id] = node
@@ -249,7 +292,7 @@ class PrefixTree:
         if register:
             parent.children.append(node)
             if listed:
-                parent.index[tokens[0]] = node
+                parent.index[node.key] = node
         return node
 
     def _alloc_many(self, n: int) -> list[int]:
@@ -280,7 +323,7 @@ class PrefixTree:
         parent = node.parent
         parent.children.remove(node)
         if node.listed:
-            del parent.index[node.tokens[0]]
+            del parent.index[node.key]
         if parent.tail_child is node:
             parent.tail_child = None
         del self.nodes[node.id]
@@ -368,7 +411,9 @@ class PrefixTree:
         if node.offset:
             assert node.parent.tail_child is node and node.parent.chunks[-1] == node.chunks[0]
         if node.listed:
-            assert node.parent.index[node.tokens[0]] is node
+            assert node.parent.index[node.key] is node
+        assert parent.partition in (node.partition, PUBLIC), f"{node} crosses from {parent.partition}"
+        assert not node.offset or parent.partition == node.partition, f"{node} writes in another partition's chunk"
         if not (node.ref or node.pins):
             assert self.caching, "caching off, yet an unreferenced node survives"
             assert node.num_computed == len(node.tokens) or node.children

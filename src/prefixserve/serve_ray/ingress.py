@@ -19,9 +19,10 @@ from starlette.types import Receive, Scope, Send
 from ..server.config import ServerConfig
 from ..server.errors import error_body, error_response
 from ..server.middleware import AuthMiddleware, BodyLimitMiddleware
+from ..server.tenancy import request_tenant
 from . import board as boards
 from .bridge import HTTPCall
-from .routing_key import api_key_identity, routing_key
+from .routing_key import routing_key
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class Ingress:
     def __serve_build_asgi_app__(self):
         app = BodyLimitMiddleware(self._route, max_body_bytes=self.cfg.limits.max_body_bytes,
                                   timeout=self.cfg.body_timeout)
-        return AuthMiddleware(app, api_key=self.cfg.api_key) if self.cfg.api_key is not None else app
+        return AuthMiddleware(app, tenants=self.cfg.tenants)  # the tenant, as the replicas resolve it
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -54,9 +55,8 @@ class Ingress:
     async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await _body(receive)
         headers = list(scope["headers"])
-        partition = api_key_identity(dict(headers).get(b"authorization"))
         call = HTTPCall(scope["method"], scope["path"], scope.get("query_string", b""), headers, body,
-                        routing_key(partition, body))
+                        routing_key(request_tenant(scope), body))
         messages = self.engine.options(stream=True).serve_call.remote(call)
         try:
             start = await messages.__anext__()

@@ -35,9 +35,9 @@ MAX_START_FAILURES = 2
 
 def serve_replicas(args: argparse.Namespace) -> int:
     scale = ScaleOutConfig.from_args(args)
-    cfg = server_config(args)  # validated before Ray starts; replicas resolve the API key as read here
+    cfg = server_config(args)  # validated before Ray starts; replicas get the keys and tenants read here
     EngineConfig.from_kwargs(**engine_kwargs(args))
-    args = argparse.Namespace(**{**vars(args), "api_key": cfg.api_key, "replicas": None})
+    args = argparse.Namespace(**{**vars(args), "tenants": cfg.tenants, "replicas": None})
     router = request_router_config(scale.router)  # a Ray without the router fails here, before starting
     _check_port(args.host, args.port)
     import ray

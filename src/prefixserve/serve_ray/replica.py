@@ -60,7 +60,10 @@ class EngineReplica:
             await asyncio.sleep(REPORT_INTERVAL_S)
 
     async def _metrics_text(self) -> str:
-        chunks = [m.get("body", b"") async for m in self.bridge.run(_metrics_call(self.cfg.api_key))]
+        authorization = self.cfg.tenants.operator_authorization()
+        if authorization is None:  # tenants but no admin key: nobody may read /metrics
+            return ""
+        chunks = [m.get("body", b"") async for m in self.bridge.run(_metrics_call(authorization))]
         return b"".join(chunks[1:]).decode()
 
     async def __del__(self):
@@ -73,6 +76,6 @@ class EngineReplica:
         await self._lifespan.aclose()
 
 
-def _metrics_call(api_key: str | None) -> HTTPCall:
-    headers = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
+def _metrics_call(authorization: bytes) -> HTTPCall:
+    headers = [(b"authorization", authorization)] if authorization else []
     return HTTPCall("GET", "/metrics", b"", headers, b"", "")

@@ -1,29 +1,21 @@
-"""The routing key: what Ray's prefix router matches on. One function builds it, so that whatever
-partitions the KV cache (the API key's identity today, the tenant and `cache_salt` once tenancy
-exists) is part of it in one place.
+"""The routing key: what Ray's prefix router matches on. One function builds it, so that what
+partitions the KV cache (the request's tenant, then its `cache_salt`) is part of it in one place.
 
-    key = partition + "\\x00" + cache_salt + "\\x00" + prompt text
+    key = tenant + "\\x00" + cache_salt + "\\x00" + prompt text
           (messages: "role\\x1fcontent\\x1e" each; token ids: decimal, space-separated)
 
-The partition leads, then the body's `cache_salt` (issue 21: it splits a tenant's cache
-further), so two partitions never share a key prefix: a request is never sent to a replica for
-another partition's cached prompt (and the router's tree holds no raw API key, only a hash). A body that is not a well-formed request gets the partition alone as its key; the
-replica it lands on answers it with the usual 400.
+The tenant is the one the single-process server gives the request (server/tenancy.py: from its
+API key, through the same AuthMiddleware in the ingress), never a raw key; tenant names are
+printable, so two tenants never share a key prefix and a request is never sent to a replica for
+another tenant's cached prompt. A body that is not a well-formed request gets the tenant alone
+as its key; the replica it lands on answers it with the usual 400.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 _SEP, _ROLE, _END = "\x00", "\x1f", "\x1e"
-
-
-def api_key_identity(authorization: bytes | None) -> str:
-    """A short hash naming the `Authorization` header's key, never the key itself ("" without one)."""
-    if not authorization:
-        return ""
-    return hashlib.sha256(authorization).hexdigest()[:16]
 
 
 def routing_key(partition: str, body: bytes) -> str:

@@ -23,6 +23,7 @@ from .errors import APIError
 from .generation import ClientGone, ServerState
 from .metrics import Metrics
 from .middleware import AuthMiddleware, BodyLimitMiddleware
+from .prefixes import add_prefix_routes
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +39,12 @@ def create_app(engine: AsyncEngine, cfg: ServerConfig, metrics: Metrics) -> Fast
     app = FastAPI(title="prefixserve", version=__version__, lifespan=lifespan,
                   openapi_url=None, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=cfg.limits.max_body_bytes, timeout=cfg.body_timeout)
-    if cfg.api_key is not None:
-        app.add_middleware(AuthMiddleware, api_key=cfg.api_key)  # added last: runs first
+    app.add_middleware(AuthMiddleware, tenants=cfg.tenants, on_error=metrics.count_error)  # added last: runs first
     errors.install(app, on_error=metrics.count_error)
     app.add_exception_handler(ClientGone, _client_gone)
-    _add_openai_routes(app, ServerState(engine, cfg))
+    state = ServerState(engine, cfg)
+    _add_openai_routes(app, state)
+    add_prefix_routes(app, state)
     _add_ops_routes(app, engine, cfg, metrics)
     return app
 

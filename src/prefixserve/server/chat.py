@@ -27,7 +27,7 @@ async def create_chat_completion(state: ServerState, request: Request):
     def prompt_ids() -> list[int]:  # runs off the event loop: templates and tokenizers take time
         return tokenizer.encode(render_prompt(tokenizer, messages), add_special_tokens=False)
 
-    gen = await Generation(state, "chatcmpl").start(prompt_ids, params)
+    gen = await Generation(state, "chatcmpl").start(prompt_ids, params, request, req.cache_salt)
     render = _Render(gen.request_id, gen.created, state.cfg.served_model_name, req.top_logprobs or 0)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -48,13 +48,14 @@ def render_prompt(tokenizer, messages: list[dict[str, str]], add_generation_prom
         raise APIError(400, f"the chat template refused these messages: {e}", "messages")
 
 
-def system_prefix_ids(tokenizer, system_prompt: str) -> list[int]:
-    """The token ids every chat prompt with this system message starts with, through the end of
-    the system turn: what `--pin-system-prompt` pins. The system turn rendered on its own is used
+def system_prefix_ids(tokenizer, system_prompt: str | list[dict[str, str]]) -> list[int]:
+    """The token ids every chat prompt with this system message (or these system turns) starts
+    with, through the end of the system turns: what `--pin-system-prompt` pins. The system turn rendered on its own is used
     when its tokens really begin the rendered conversations; otherwise (a template that changes
     the system turn when a user turn follows) the tokens two different conversations share."""
     def ids(*user: str) -> list[int]:
-        messages = [{"role": "system", "content": system_prompt}] + [{"role": "user", "content": u} for u in user]
+        system = [{"role": "system", "content": system_prompt}] if isinstance(system_prompt, str) else system_prompt
+        messages = system + [{"role": "user", "content": u} for u in user]
         return tokenizer.encode(render_prompt(tokenizer, messages, add_generation_prompt=bool(user)),
                                 add_special_tokens=False)
     a, b = ids("a"), ids("b")

@@ -10,10 +10,12 @@ import pathlib
 import socket
 
 from .config import LIMIT_HELP, ServerConfig, ServerLimits
+from .tenancy import Tenants, key_tenant, read_keys_file
 
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "PREFIXSERVE_API_KEY"
+ADMIN_KEY_ENV = "PREFIXSERVE_ADMIN_API_KEY"
 
 
 def register(sub) -> None:
@@ -23,8 +25,14 @@ def register(sub) -> None:
                                    "/metrics and /version over HTTP.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=_port, default=8000)
-    p.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer KEY` on every route but "
-                   f"GET /health (default: ${API_KEY_ENV}; neither set: no auth)")
+    p.add_argument("--api-key", action="append", default=None, help=f"require `Authorization: Bearer KEY` on "
+                   f"every route but GET /health; repeatable, each key its own tenant (default: ${API_KEY_ENV}; "
+                   f"no key at all: no auth). Keys on the command line show in `ps`: prefer the file or environment")
+    p.add_argument("--api-keys-file", default=None, metavar="FILE",
+                   help="API keys and their tenants, one `KEY TENANT` per line (# comments): tenants never share "
+                        "cached prefixes, except public pins")
+    p.add_argument("--admin-api-key", default=None, help=f"the operator's key: public pins, every tenant's pins, "
+                   f"/metrics and /health?detail=1 once there is more than one key (default: ${ADMIN_KEY_ENV})")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's)")
     p.add_argument("--pin-system-prompt", action="append", default=[], metavar="FILE",
                    help="a file whose text is a system prompt: its chat-templated prefix is computed once at "
@@ -61,8 +69,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
-    return ServerConfig(args.served_model_name or "pending", api_key, limits, args.health_stall_timeout,
+    return ServerConfig(args.served_model_name or "pending", _tenants(args), limits, args.health_stall_timeout,
                         args.request_body_timeout)
 
 
@@ -78,14 +85,14 @@ def build_app(args: argparse.Namespace):
 
     cfg = server_config(args)
     pins = [_read(path) for path in args.pin_system_prompt]  # fail before the model loads
-    if cfg.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+    if not cfg.tenants.auth and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without an API key", args.host)
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
     if args.served_model_name is None:
         cfg = dataclasses.replace(cfg, served_model_name=engine.model_name)
     for path, text in zip(args.pin_system_prompt, pins):
         _pin(engine, path, text)
-    metrics = Metrics(cfg.served_model_name, engine.backend.name)
+    metrics = Metrics(cfg.served_model_name, engine.backend.name, cfg.tenants.names)
     async_engine = AsyncEngine(engine, observer=metrics)
     metrics.watch(lambda: async_engine.snapshot)
     return create_app(async_engine, cfg, metrics), async_engine
@@ -106,6 +113,18 @@ def _bind(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
 
 
+def _tenants(args: argparse.Namespace) -> Tenants:
+    """The keys and tenants of the flags and environment; `args.tenants` when already resolved
+    (Ray replicas get the launcher's, so that every process resolves keys alike)."""
+    if getattr(args, "tenants", None) is not None:
+        return args.tenants
+    keys = args.api_key if args.api_key is not None else [k for k in [os.environ.get(API_KEY_ENV)] if k]
+    pairs = tuple((k, key_tenant(k)) for k in keys)
+    if args.api_keys_file is not None:
+        pairs += read_keys_file(args.api_keys_file)
+    return Tenants(pairs, args.admin_api_key or os.environ.get(ADMIN_KEY_ENV) or None)
+
+
 def _read(path: str) -> str:
     try:
         text = pathlib.Path(path).read_text(encoding="utf-8")
@@ -118,5 +137,5 @@ def _read(path: str) -> str:
 
 def _pin(engine, path: str, text: str) -> None:
     from .chat import system_prefix_ids
-    ids = engine.pin_prefix(system_prefix_ids(engine.tokenizer, text))
-    log.info("pinned the system prompt of %s: %d tokens", path, len(ids))
+    pin = engine.pin_prefix(system_prefix_ids(engine.tokenizer, text), public=True)
+    log.info("pinned the system prompt of %s (public, every tenant reads it): %d tokens", path, len(pin.token_ids))

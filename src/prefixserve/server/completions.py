@@ -27,7 +27,7 @@ async def create_completion(state: ServerState, request: Request):
     def prompt_ids() -> list[int]:
         return prompt if isinstance(prompt, list) else tokenizer.encode(prompt, add_special_tokens=False)
 
-    gen = await Generation(state, "cmpl").start(prompt_ids, params)
+    gen = await Generation(state, "cmpl").start(prompt_ids, params, request, req.cache_salt)
     render = _Render(gen.request_id, gen.created, state.cfg.served_model_name)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .tenancy import Tenants
+
 
 @dataclasses.dataclass(frozen=True)
 class ServerLimits:
@@ -40,7 +42,7 @@ LIMIT_HELP = {
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     served_model_name: str
-    api_key: str | None = None
+    tenants: Tenants = Tenants()  # API keys -> tenants (server/tenancy.py); empty: no auth
     limits: ServerLimits = ServerLimits()
     health_stall_timeout: float = 60.0  # seconds with work but no finished step before /health is 503
     body_timeout: float = 30.0  # seconds a client gets to send its whole request body (408 after)
@@ -48,8 +50,6 @@ class ServerConfig:
     def __post_init__(self):
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("the API key must not be empty")
         if not self.health_stall_timeout > 0:
             raise ValueError(f"health_stall_timeout must be > 0, got {self.health_stall_timeout!r}")
         if not self.body_timeout > 0:

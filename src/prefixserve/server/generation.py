@@ -119,12 +119,15 @@ class Generation:
         self.stream: RequestStream | None = None
         self._closed = False
 
-    async def start(self, prompt_ids: Callable[[], list[int]], params: SamplingParams) -> "Generation":
-        """Tokenize (off the event loop) and hand the request to the engine. Closes on failure."""
+    async def start(self, prompt_ids: Callable[[], list[int]], params: SamplingParams, request: Request,
+                    cache_salt: str | None) -> "Generation":
+        """Tokenize (off the event loop) and hand the request to the engine, in the partition of
+        its key's tenant and its cache_salt (server/tenancy.py). Closes on failure."""
         try:
             ids = await asyncio.to_thread(prompt_ids)
             params = fit_max_tokens(self.state, params, len(ids))
-            self.stream = await self.state.engine.add_request(self.request_id, ids, params)
+            self.stream = await self.state.engine.add_request(self.request_id, ids, params, request.state.tenant,
+                                                              cache_salt or "")
         except ValueError as e:
             self.close()
             raise APIError(400, str(e))

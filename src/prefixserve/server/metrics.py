@@ -9,14 +9,16 @@ ran). The engine's state (requests, KV cache, prefix hits) is read at scrape tim
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..engine.async_engine import EngineSnapshot
+from ..engine.engine import TenantUsage
 from ..engine.request import RequestOutput
+from .tenancy import OTHER
 
 _P = "prefixserve_"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5, 10, 20, 40, 80)
@@ -32,7 +34,8 @@ class _Progress:
 class Metrics:
     """Implements the engine's StepObserver; `render()` gives the exposition text."""
 
-    def __init__(self, model_name: str, backend: str):
+    def __init__(self, model_name: str, backend: str, tenants: Iterable[str] = ()):
+        self.tenants = frozenset(tenants)  # the label values allowed: the keys' tenants (others: OTHER)
         self.registry = CollectorRegistry()
         r = self.registry
         Info(_P + "attention_backend", "attention backend the engine was built with", registry=r).info(
@@ -53,7 +56,7 @@ class Metrics:
         self._progress: dict[str, _Progress] = {}  # engine thread only
 
     def watch(self, snapshot: Callable[[], EngineSnapshot]) -> None:
-        self.registry.register(_SnapshotCollector(snapshot))
+        self.registry.register(_SnapshotCollector(snapshot, self.tenants))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -88,8 +91,8 @@ class Metrics:
 
 
 class _SnapshotCollector(Collector):
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
-        self._snapshot = snapshot
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], tenants: frozenset[str]):
+        self._snapshot, self._tenants = snapshot, tenants
 
     def collect(self):
         s = self._snapshot()
@@ -110,10 +113,31 @@ class _SnapshotCollector(Collector):
         yield _counter("prompt_tokens", "prompt tokens of admitted requests", kv.prompt_tokens)
         yield _counter("prefix_cache_hit_tokens", "prompt tokens found in the prefix tree", kv.prefix_hit_tokens)
         yield _counter("computed_prompt_tokens", "prompt tokens run through the model", kv.computed_prompt_tokens)
+        yield from _per_tenant(kv.tenants, self._tenants)
         last = GaugeMetricFamily(_P + "attention_schedule", "the attention schedule of the latest step "
                                  "(1 for the one in use)", labels=["schedule"])
         last.add_metric([s.schedule], 1)
         yield last
+
+
+def _per_tenant(usage: tuple[TenantUsage, ...], known: frozenset[str]):
+    """Prompt, cached and pinned tokens by tenant. Labels are bounded: the keys' tenants, and
+    OTHER for the rest (the admin's own requests, a server without keys)."""
+    sums: dict[str, list[int]] = {t: [0, 0, 0] for t in known}
+    for u in usage:
+        row = sums.setdefault(u.tenant if u.tenant in known else OTHER, [0, 0, 0])
+        for i, v in enumerate((u.prompt_tokens, u.cached_tokens, u.pinned_tokens)):
+            row[i] += v
+    families = (CounterMetricFamily(_P + "tenant_prompt_tokens", "prompt tokens of admitted requests, by tenant",
+                                    labels=["tenant"]),
+                CounterMetricFamily(_P + "tenant_cached_tokens", "prompt tokens found in the prefix tree (the "
+                                    "tenant's partitions and public pins), by tenant", labels=["tenant"]),
+                GaugeMetricFamily(_P + "tenant_pinned_tokens", "tokens in the tenant's active private pins",
+                                  labels=["tenant"]))
+    for tenant, row in sorted(sums.items()):
+        for family, value in zip(families, row):
+            family.add_metric([tenant], value)
+    yield from families
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -1,8 +1,12 @@
 """Checks on the raw ASGI scope, before routing, so they cover every route (unknown ones too).
 
-- `AuthMiddleware`: with an API key set, every request but a plain `GET /health` (no query:
+- `AuthMiddleware`: with API keys set, every request but a plain `GET /health` (no query:
   its `?detail=1` form runs the integrity check, which costs engine time) needs
-  `Authorization: Bearer KEY`; compared in constant time.
+  `Authorization: Bearer KEY`; compared in constant time (server/tenancy.py). It puts the
+  key's tenant in `request.state.tenant` (ANONYMOUS without keys). With more than one key
+  (two tenants, or one and the admin), `/metrics` and `/health?detail=1` show every tenant's
+  traffic: they are the admin key's alone (403).
+  Refusals are counted through `on_error(status)` like every other error.
 - `BodyLimitMiddleware`: reads the body up to `max_body_bytes` (413 above it, whether declared
   by Content-Length or streamed chunked), then replays it to the app; later `receive()` calls
   go to the server, so the app still learns of a client's disconnect. A body not complete
@@ -13,34 +17,48 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
+from typing import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import error_response
+from .tenancy import ADMIN, Tenants
 
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
 
 
 class AuthMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+    def __init__(self, app: ASGIApp, tenants: Tenants, on_error: Callable[[int], None] | None = None):
+        self.app, self.tenants, self.on_error = app, tenants, on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or self._allowed(scope):
+        if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
+        tenant = self.tenants.tenant_of(dict(scope["headers"]).get(b"authorization", b""))
+        scope.setdefault("state", {})["tenant"] = tenant
+        if tenant is None and not _open(scope):
+            return await self._refuse(scope, receive, send, 401, "invalid or missing API key: send "
+                                      "`Authorization: Bearer KEY`", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        if self.tenants.shared and tenant != ADMIN and _all_tenants(scope):
+            return await self._refuse(scope, receive, send, 403, f"{scope['path']} shows every tenant's "
+                                      "traffic: it needs the admin API key", "admin_only", None)
+        return await self.app(scope, receive, send)
+
+    async def _refuse(self, scope, receive, send, status, message, code, headers) -> None:
+        if self.on_error is not None:
+            self.on_error(status)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})
-        response = error_response(401, "invalid or missing API key: send `Authorization: Bearer KEY`",
-                                  None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
+        await error_response(status, message, None, code, headers)(scope, receive, send)
 
-    def _allowed(self, scope: Scope) -> bool:
-        if scope["path"] == "/health" and not scope.get("query_string"):
-            return True
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        return hmac.compare_digest(given, self._expected)
+
+def _open(scope: Scope) -> bool:
+    """A plain liveness probe: no key needed."""
+    return scope["path"] == "/health" and not scope.get("query_string")
+
+
+def _all_tenants(scope: Scope) -> bool:
+    return scope["path"] == "/metrics" or (scope["path"] == "/health" and bool(scope.get("query_string")))
 
 
 class BodyLimitMiddleware:

@@ -52,6 +52,7 @@ class SamplingFields(_Strict):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # splits the tenant's cache further
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = ()
 
@@ -128,4 +129,24 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError(f"modalities other than ['text'] are not supported by this server, got {self.modalities}")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+
+class PinRequest(_Strict):
+    """POST /v1/prefixes: `prompt` (text or token ids) or `messages` (system/developer turns only)."""
+
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    ttl_seconds: float | None = Field(None, gt=0, le=365 * 86400)
+    public: bool = False
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.prompt is not None and len(self.prompt) == 0:
+            raise ValueError("prompt must not be empty")
+        if self.messages and any(m.role not in ("system", "developer") for m in self.messages):
+            raise ValueError("messages may hold only system and developer turns (the prefix to pin)")
         return self
