@@ -14,6 +14,7 @@ cache: long shared prefixes in a small KV cache (eviction and preemption), overl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -58,8 +59,48 @@ def _arg(a, persistent: dict[str, torch.Tensor]):
     return ("activation", a.dtype, a.stride())
 
 
+def _check_attend(grid, q, k_cache, v_cache, q_pos, units, count, kv_chunk, kv_lo, kv_hi, kv_pos, o,
+                  lse, k_new, v_new, slots, *rest, STORE, **meta):
+    """Every index the attend kernel follows stays inside what it indexes (on a GPU: else an
+    illegal address)."""
+    n_units = int(count[0])
+    assert 0 <= n_units <= units.shape[0] and q_pos.numel() >= q.shape[0]
+    u = units[:n_units].long()
+    q_start, q_len, e0, e1, out, store = u.unbind(1)
+    assert ((q_start >= 0) & (q_len >= 1) & (q_start + q_len <= q.shape[0])).all(), u
+    assert ((e0 >= 0) & (e0 < e1) & (e1 <= kv_chunk.numel())).all(), (u, kv_chunk.numel())
+    assert ((out >= 0) & (out + q_len <= o.shape[0])).all(), (u, o.shape)
+    num_chunks, size = k_cache.shape[:2]
+    for e in range(n_units and int(e1.max())):
+        chunk, lo, hi = int(kv_chunk[e]), int(kv_lo[e]), int(kv_hi[e])
+        assert 0 <= chunk < num_chunks and 0 <= lo < hi <= size, (e, chunk, lo, hi)
+    if STORE:
+        t = store[store >= 0]
+        assert (t < k_new.shape[0]).all() and (t < slots.numel()).all(), (t, k_new.shape)
+        assert ((slots[t] >= 0) & (slots[t] < num_chunks * size)).all()
+
+
+def _check_merge(grid, o_parts, lse_parts, indptr, parts, o, *rest, **meta):
+    assert grid[0] == indptr.numel() - 1 <= o.shape[0]
+    ptr = indptr.long()
+    assert ptr[0] == 0 and (ptr[1:] >= ptr[:-1]).all() and ptr[-1] <= parts.numel()
+    used = parts[:int(ptr[-1])].long()
+    assert ((used >= 0) & (used < o_parts.shape[0]) & (used < lse_parts.shape[0])).all()
+
+
+def _check_store(grid, k_cache, v_cache, k, v, slots, *rest, **meta):
+    assert grid[0] <= slots.numel() and grid[0] <= k.shape[0]
+    s = slots[:grid[0]]
+    assert ((s >= 0) & (s < k_cache.shape[0] * k_cache.shape[1])).all(), s
+
+
+_CHECKS = {"_attend_kernel": _check_attend, "_merge_kernel": _check_merge,
+           "_store_kv_kernel": _check_store}
+
+
 class _Recorded:
-    """A Triton kernel whose launches are appended to `log` (when it is a list)."""
+    """A Triton kernel whose launches are bounds-checked, and appended to `log` when it is a
+    list."""
 
     def __init__(self, name: str, kernel):
         self.name, self.kernel = name, kernel
@@ -68,6 +109,7 @@ class _Recorded:
 
     def __getitem__(self, grid):
         def launch(*args, **meta):
+            _CHECKS[self.name](tuple(grid), *args, **meta)
             if self.log is not None:
                 keep = self.persistent
                 self.log.append((self.name, tuple(grid), tuple(_arg(a, keep) for a in args),
@@ -96,6 +138,10 @@ class RecordingGraphs(DecodeGraphs):
         self.positions[n:rows].zero_()
         log = []
         persistent = _persistent(self.rank)
+        plan = self.rank.backend.current
+        held = [getattr(plan, f.name) for f in dataclasses.fields(plan)] + list(plan.extra.values())
+        for t in held:  # an empty tensor has no address (data_ptr() 0); a per-step one is freed
+            assert not isinstance(t, torch.Tensor) or _arg(t, persistent)[0] == "buffer", t
         for r in self.recorders:
             r.log, r.persistent = log, persistent
         try:
@@ -135,20 +181,23 @@ def _thrashing_prompts(num_prefixes: int, prefix_len: int, per_prefix: int) -> l
     return prompts
 
 
-@pytest.mark.parametrize("chunk_size", [16, 64])
-def test_padded_decode_steps_launch_what_their_graph_captured(tmp_path, recorders, chunk_size):
+# (chunk size, KV tokens, new tokens): small enough that decode steps preempt, large enough that
+# batches of several buckets run
+@pytest.mark.parametrize("chunk_size,kv_tokens,new", [(16, 656, 24), (64, 896, 48)])
+def test_padded_decode_steps_launch_what_their_graph_captured(tmp_path, recorders, chunk_size, kv_tokens, new):
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     llm = LLM(model=str(tmp_path), load_format="dummy", dtype="float32", device="cpu",
               attention_backend="auto", overlap_schedule=True, chunk_size=chunk_size,
-              kv_cache_memory=(640 // chunk_size + 2) * 2 * chunk_size * 2 * 16 * 4,  # ~640 tokens max_num_seqs=12,
+              kv_cache_memory=kv_tokens * 2 * 2 * 16 * 4,  # K and V, 2 KV heads of 16 fp32
+              max_num_seqs=12,
               max_num_batched_tokens=512)
     try:
         rank = llm.engine.runner.rank
         rank.graphs = RecordingGraphs(rank, 12, recorders)
         prompts = _thrashing_prompts(num_prefixes=3, prefix_len=150, per_prefix=6)
-        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+        assert all(len(o.outputs[0].token_ids) == new for o in outs)
         graphs, engine = rank.graphs, llm.engine
         # the load did what it is for: graphs replayed, advanced plans, preemptions
         assert graphs.replays > 0 and len(graphs.graphs) > 1 and engine.runner.advanced_steps > 0
