@@ -46,7 +46,7 @@ class TritonKernels:
         self.side = torch.cuda.Stream(shape.device, priority=-1) if cuda else None
         self.generation = 0  # moves of the padded plans' scratch buffers, changes of `stores`
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._padded_stores: tuple[bool, bool] | None = None
+        self._padded_stores: tuple[bool, bool, bool] | None = None  # (any, narrow, wide)
 
     def plan_extra(self, batch: AttentionBatch,
                    arrays: dict[str, np.ndarray | None]) -> dict[str, np.ndarray | int | None]:
@@ -71,8 +71,8 @@ class TritonKernels:
         if padded:
             self._reserve_scratch(wl.num_partials)
             # (fixed in practice: decode tails are narrow units iff G <= 16)
-            if stores != self._padded_stores:
-                self._padded_stores = stores
+            if (wl.stores, *stores) != self._padded_stores:
+                self._padded_stores = (wl.stores, *stores)
                 self.generation += 1
         shapes = {f"{c}_{k}": getattr(cfg, k) for c, cfg in zip(("narrow", "wide"), configs)
                   for k in _SHAPE_KEYS}
@@ -80,7 +80,7 @@ class TritonKernels:
                  for c, u, cfg in zip(("narrow", "wide"), (wl.narrow, wl.wide), configs)}
         if self.group > NARROW_ROWS:  # one row's G heads exceed a narrow tile: never a narrow unit
             grids["narrow_programs"] = 0
-        return {"narrow": wl.narrow, "wide": wl.wide,
+        return {"narrow": _addressable(wl.narrow), "wide": _addressable(wl.wide),
                 "unit_counts": np.array([len(wl.narrow), len(wl.wide)], np.int64),
                 "merge_indptr": wl.merge_indptr, "merge_parts": wl.merge_parts,
                 "num_partials": wl.num_partials, "direct": int(wl.direct), "stores": int(wl.stores),
@@ -127,3 +127,10 @@ class TritonKernels:
         if self._scratch is None or self._scratch[1].shape[0] < rows:
             self._scratch = self._new_scratch(max(256, 1 << (rows - 1).bit_length()))
             self.generation += 1
+
+
+def _addressable(units: np.ndarray) -> np.ndarray:
+    """units [U, 6], at least one row (an unused zero row when U = 0; `unit_counts` says U): an
+    empty device tensor has no address (`data_ptr()` is 0), so a graph captured with no units of
+    a class would replay a later step's units from address 0 (an illegal address on the GPU)."""
+    return units if len(units) else np.zeros((1, units.shape[1]), units.dtype)
