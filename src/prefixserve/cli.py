@@ -49,7 +49,7 @@ _ARG_TYPES = {"int": int, "float": float, "str": str}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    from .attention.base import backend_names
+    from .attention import backend_names
     g = p.add_argument_group("engine")
     fields = [f for c in (EngineConfig, CacheConfig, SchedulerConfig) for f in dataclasses.fields(c)
               if f.name not in ("cache", "scheduler")]

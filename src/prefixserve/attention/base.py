@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import Callable
 
 import torch
 
@@ -146,26 +145,3 @@ class AttentionBackend(ABC):
         the batch's num_rows); k_cache, v_cache: [num_chunks, C, Hkv, D] (one layer).
         Returns o: [R, Hq, D] in q's dtype (padding rows: 0).
         """
-
-
-_REGISTRY: dict[str, Callable[[AttentionShape], AttentionBackend]] = {}
-
-
-def register_backend(name: str):
-    def deco(cls):
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-    return deco
-
-
-def backend_names() -> list[str]:
-    from . import backends  # noqa: F401  (registers the built-in backends)
-    return sorted(_REGISTRY)
-
-
-def create_backend(name: str, shape: AttentionShape) -> AttentionBackend:
-    names = backend_names()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {names}")
-    return _REGISTRY[name](shape)

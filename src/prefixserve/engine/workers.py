@@ -31,7 +31,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..attention.base import AttentionBatch, AttentionShape, PaddedRows, create_backend
+from ..attention import create_backend
+from ..attention.base import AttentionBatch, AttentionShape, PaddedRows
 from ..config import EngineConfig
 from ..kvcache.chunk_pool import ChunkPool
 from ..model import loader

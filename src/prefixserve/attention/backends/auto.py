@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 
-from ..base import AttentionBatch, register_backend
+from ..base import AttentionBatch
+from ..registry import register_backend
 from ..cost import CostModel, schedule_cost
 from ..schedule import SCHEDULES, Schedule
 from .scheduled import ScheduledBackend

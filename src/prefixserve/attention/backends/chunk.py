@@ -2,7 +2,7 @@
 with the queries of the sequences below it; sequence-first, one item per sequence over its
 private chunks; the saved partials merged per row."""
 
-from ..base import register_backend
+from ..registry import register_backend
 from ..schedule import chunk
 from .scheduled import ScheduledBackend
 

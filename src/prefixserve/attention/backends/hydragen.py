@@ -2,7 +2,7 @@
 attended by the queries of all of them as one batched product; private tails per sequence;
 each row merges the partials along its path."""
 
-from ..base import register_backend
+from ..registry import register_backend
 from ..schedule import hydragen
 from .scheduled import ScheduledBackend
 

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from ...staging import Uploader
-from ..base import AttentionBackend, AttentionBatch, register_backend
+from ..base import AttentionBackend, AttentionBatch
+from ..registry import register_backend
 from ..ops.reference import store_kv
 
 

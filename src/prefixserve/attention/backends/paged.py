@@ -2,7 +2,7 @@
 sequence and no merge. Shared chunks are physically shared but read once per sequence; this is
 the baseline every benchmark compares against."""
 
-from ..base import register_backend
+from ..registry import register_backend
 from ..schedule import paged
 from .scheduled import ScheduledBackend
 

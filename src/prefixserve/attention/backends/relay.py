@@ -2,7 +2,7 @@
 is attended by all query rows as one batched product; the rest of each sequence is paged; the
 two partials of each row are merged by log-sum-exp. Nothing common: the paged schedule."""
 
-from ..base import register_backend
+from ..registry import register_backend
 from ..schedule import relay
 from .scheduled import ScheduledBackend
 
