@@ -25,3 +25,8 @@ test: $(STAMP)
 SOAK_SECONDS ?= 300
 soak: $(STAMP)
 	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) -m pytest -q -s tests/server/test_soak.py
+
+# The attention kernels on this machine's GPU (a CPU runs it too, slowly): every backend against the
+# bytes/FLOPs limit and the peers, written to benchmarks/results/kernels-<gpu>.{json,png}.
+bench-kernels: $(STAMP)
+	prefixserve bench kernels

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from prefixserve.attention import create_backend
-from prefixserve.bench.kernel_flashinfer import cascade_tables, decode_tables, nodes_by_depth
-from prefixserve.bench.kernel_peers import ALL_PEERS, PEERS
-from prefixserve.bench.kernel_report import BACKENDS, finish_row, summarize
-from prefixserve.bench.kernel_rows import Workload, build
+from prefixserve.bench.kernels.flashinfer import cascade_tables, decode_tables, nodes_by_depth
+from prefixserve.bench.kernels.peers import ALL_PEERS, PEERS
+from prefixserve.bench.kernels.report import BACKENDS, finish_row, summarize
+from prefixserve.bench.kernels.rows import Workload, build
 from prefixserve.cli import main
 
 ROW = ("--batch", "4", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--context", "96",
@@ -32,6 +32,7 @@ def one_thread():
 def test_cpu_row_json_table_png(tmp_path, capsys, one_thread):
     assert main(["bench", "kernels", *ROW, "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "kernels-cpu.json").read_text())
+    assert doc["git"]["commit"] and "--batch 4" in doc["command"] and doc["hardware"]["device"] == "cpu"
     assert (tmp_path / "kernels-cpu.png").stat().st_size > 10_000
     (r,) = doc["rows"]
     assert (r["grid"], r["label"], r["shared"]) == ("custom", "b4 ctx96 sh64+16", [64, 16])

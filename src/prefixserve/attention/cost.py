@@ -20,7 +20,7 @@ counts one d-wide vector per cached token where K and V are two, and omits the L
 Time model (`CostModel.time`): max(bytes / bandwidth, flops / matrix_rate)
 + items * item_overhead_s + launches * launch_overhead_s, where launches = 1 attention launch
 + 1 merge launch if the schedule merges. The defaults are starting points, to be calibrated
-against measurements (bench/kernels.py); `for_device` picks them by device type.
+against measurements (bench/kernels/); `for_device` picks them by device type.
 
 Sliding-window layers plan the batch cut to their window (`window.windowed`): their costs,
 and `auto`'s choice for them, count only the keys some query of the step can see (at most

@@ -1,7 +1,7 @@
-"""The fused MoE op's time per decode/prefill step against a per-expert loop and its limit.
+"""`prefixserve bench moe`: the fused MoE op's time per decode/prefill step against a per-expert loop and its limit.
 
-    from prefixserve.bench.moe import moe_step_timing
-    moe_step_timing("benchmarks/configs/qwen3-30b-a3b.json", tokens=(64, 256, 2048))
+    prefixserve bench moe --config benchmarks/configs/qwen3-30b-a3b.json --tokens 64,256,1024,4096
+    (or from Python: moe_step_timing("benchmarks/configs/qwen3-30b-a3b.json", tokens=(64, 256)))
 
 For each token count: one sparse layer's experts (random routing from a random router, the
 config's E, top-k, I and H, bf16), timed as `fused.moe.fused_moe` (the Triton grouped GEMMs,
@@ -10,12 +10,13 @@ routing back to the host). Each time is reported with its limit, the larger of
     bytes / copy bandwidth:  every expert hit reads its 3 I H weights once, plus x, the
                              intermediate h (written, read), the pair outputs and out
     FLOPs / matrix rate:     6 I H per (token, slot) pair (gate, up, down)
-(bandwidth and rate measured here, `kernel_timing.ceilings`). Multiply by the layer count for
-a step's MoE time. Returns rows of plain numbers (JSON-ready).
+(bandwidth and rate measured here, `kernels.timing.ceilings`). Multiply by the layer count for
+a step's MoE time. Writes moe-<config>-<hardware>.json (results.publish).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -24,7 +25,34 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..model.fused import moe
-from .kernel_timing import ceilings, time_call
+from . import results as R
+from .kernels.timing import ceilings, time_call
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("moe", help="fused MoE op vs a per-expert loop, against its bytes/FLOPs limit",
+                       description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="benchmarks/configs/qwen3-30b-a3b.json", help="an HF config.json with experts")
+    p.add_argument("--tokens", type=R.int_list, default=[1, 16, 64, 256, 1024, 4096], help="tokens per step, list")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights, inputs and router")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default="bfloat16")
+    p.add_argument("--device", default=None, help="default: cuda if available")
+    p.add_argument("--out-dir", type=Path, default=R.DEFAULT_OUT_DIR, help="where the JSON goes")
+    p.add_argument("--tag", default="", help="appended to the file name")
+    p.set_defaults(func=run, _parser=p)
+
+
+def run(args: argparse.Namespace) -> int:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rows = moe_step_timing(args.config, args.tokens, args.seed, device, _DTYPES[args.dtype])
+    hw, model = R.hardware(), Path(args.config).stem
+    name = "-".join(["moe", model, R.hardware_slug(hw)] + ([args.tag] if args.tag else []))
+    doc = {"benchmark": f"fused MoE op vs transformers' per-expert loop, one sparse layer ({args.dtype})",
+           "hardware": hw, "model": model, "rows": rows}
+    R.publish(doc, Path(args.out_dir) / f"{name}.json", args, "prefixserve bench moe")
+    return 0
 
 
 def hf_expert_loop(x, w13, w2, weights, ids) -> torch.Tensor:

@@ -8,9 +8,10 @@ Configs are the seeds' systems, each one engine setting (RelayAttention's names 
     no-attention   attention skipped, caching on       Hydragen's throughput ceiling (outputs meaningless)
 
 A result file is `{bench}-{workload}-{model}-{hardware}.json` (+ `.png`) under
-benchmarks/results/, e.g. `throughput-sharegpt-SmolLM2-135M-Instruct-cpu.json`. Its top level
-names the hardware, model, workload and the command that reproduces it; `results` holds one
-entry per (config, sweep point).
+benchmarks/results/, e.g. `throughput-sharegpt-SmolLM2-135M-Instruct-cpu.json`. Every bench
+writes it with `publish`, which adds what makes a result reproducible: the command, the git
+commit and whether the tree had uncommitted changes, the hardware and the date. The rest of the
+top level names the model and workload; `results` holds one entry per (config, sweep point).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import os
 import platform
 import re
 import shlex
+import subprocess
+import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "paged-nocache": {"attention_backend": "paged", "enable_prefix_caching": False},
@@ -162,6 +165,37 @@ def model_name(engine_kwargs: dict[str, Any]) -> str:
 def result_path(out_dir: Path, bench: str, workload: str, model: str, hw: dict, tag: str = "") -> Path:
     parts = [bench, workload, model, hardware_slug(hw)] + ([tag] if tag else [])
     return Path(out_dir) / ("-".join(p.replace("/", "_") for p in parts) + ".json")
+
+
+def publish(doc: dict, path: Path, args: argparse.Namespace, prog: str,
+            plot: Callable[[dict, Path], None] | None = None, partial: bool = False) -> Path:
+    """Write a bench's result `doc` to `path` (JSON) and `plot` it beside it (PNG, unless
+    --no-plot), then say so. Adds to `doc`: `command` (the `prog` command line that reproduces
+    `args`), `git` ({commit, dirty}, both None outside a git checkout), `hardware` (unless the
+    bench set it) and `created`. `partial`: a checkpoint of a long run, the JSON only, silently."""
+    doc.update(command=command_line(args._parser, args, prog), git=git_state(),
+               hardware=doc.get("hardware") or hardware(), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    write_json(path, doc)
+    if partial:
+        return path
+    png = path.with_suffix(".png")
+    plotted = plot is not None and not getattr(args, "no_plot", False)
+    if plotted:
+        plot(doc, png)
+    print(f"wrote {path}" + (f" and {png.name}" if plotted else ""))
+    return path
+
+
+def git_state() -> dict[str, Any]:
+    """The checkout's commit and whether it has uncommitted changes (tracked files; untracked
+    ones are ignored), or None for both where git or the checkout is absent."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent, timeout=30).stdout.strip()
+    try:
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
 
 
 def write_json(path: Path, doc: dict) -> None:

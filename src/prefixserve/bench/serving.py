@@ -37,6 +37,7 @@ from typing import Iterator
 
 from . import results as R
 from . import workloads as W
+from .plots import plot_serving
 from .loadgen import poisson_run, summarize
 
 log = logging.getLogger(__name__)
@@ -99,13 +100,9 @@ def run(args: argparse.Namespace) -> int:
             entries += _sweep(args, url, config, src, wl)
     doc = _document(args, hw, model, engine_kw, entries)
     doc["load_average"] = {"start": load_start, "end": R.load_average()}
-    path = R.result_path(args.out_dir, "serve", "sharegpt", model, hw, args.tag)
-    R.write_json(path, doc)
     print_summary(doc)
-    if not args.no_plot:
-        from .plots import plot_serving
-        plot_serving(doc, path.with_suffix(".png"))
-    print(f"wrote {path}" + ("" if args.no_plot else f" and {path.with_suffix('.png').name}"))
+    R.publish(doc, R.result_path(args.out_dir, "serve", "sharegpt", model, hw, args.tag), args,
+              "prefixserve bench serve", plot_serving)
     return 0
 
 
@@ -240,8 +237,6 @@ def _document(args, hw: dict, model: str, engine_kw: dict, entries: list[dict]) 
         "system_prompt_len": args.system_prompt_len, "latency_slo_s": args.latency_slo,
         "num_prompts": args.num_prompts, "max_output_len": args.max_output_len,
         "server": args.base_url or "started per config",
-        "command": R.command_line(args._parser, args, "prefixserve bench serve"),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "engine": {k: v for k, v in engine_kw.items() if v is not None},
         "configs": {c: R.CONFIGS[c] for c in args.configs},
         "sustainable_request_rate": rates,

@@ -57,19 +57,15 @@ def run(args: argparse.Namespace) -> int:
     ttft = bench.series(bench.ttft_trial)
     tpot = bench.series(bench.tpot_trial)
     doc = {"bench": "side-channel", "model": model, "hardware": hw, "load_average": [load_start, R.load_average()],
-           "backend": engine.backend.name, "command": R.command_line(args._parser, args, "prefixserve bench side-channel"),
-           "git_commit": _git_commit(), "trials": args.trials, "prompt_len": args.prompt_len,
+           "backend": engine.backend.name, "trials": args.trials, "prompt_len": args.prompt_len,
            "ttft": _report(ttft), "tpot": _report(tpot), "raw": {"ttft": ttft, "tpot": tpot}}
-    path = R.result_path(args.out_dir, "side-channel", f"p{args.prompt_len}", model, hw, args.tag)
-    R.write_json(path, doc)
-    if not args.no_plot:
-        _plot(doc, path.with_suffix(".png"))
     for part in ("ttft", "tpot"):
         r = doc[part]
         print(f"{part}: probe median {r['probe']['median'] * 1e3:.2f} ms vs control {r['control']['median'] * 1e3:.2f} ms "
               f"(Mann-Whitney p={r['mann_whitney']['p']:.3f}, KS D={r['ks_distance']:.3f}); within a tenant, "
               f"uncached / cached = {r['within_tenant_ratio']:.2f}")
-    print(f"wrote {path}")
+    R.publish(doc, R.result_path(args.out_dir, "side-channel", f"p{args.prompt_len}", model, hw, args.tag), args,
+              "prefixserve bench side-channel", _plot)
     return 0
 
 
@@ -142,14 +138,6 @@ def _report(series: dict[str, list[float]]) -> dict:
             "mann_whitney": mann_whitney(probe, control), "ks_distance": ks_distance(probe, control),
             "paired_median_difference": statistics.median(p - c for p, c in zip(probe, control)),
             "within_tenant_ratio": statistics.median(control) / statistics.median(cached)}
-
-
-def _git_commit() -> str | None:
-    import subprocess
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def _plot(doc: dict, path) -> None:

@@ -18,10 +18,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import statistics
-import time
 
 from . import results as R
 from . import workloads as W
+from .plots import plot_multi_tenant
 from .loadgen import RequestRecord, poisson_run, summarize
 
 log = logging.getLogger(__name__)
@@ -39,13 +39,9 @@ def run_multi_tenant(args, engine_kw: dict) -> int:
                 entries += _sweep(args, url, config, router, src)
     doc = _document(args, hw, model, engine_kw, entries)
     doc["load_average"] = {"start": load_start, "end": R.load_average()}
-    path = R.result_path(args.out_dir, "serve", "multi-tenant", model, hw, args.tag)
-    R.write_json(path, doc)
     print_summary(doc)
-    if not args.no_plot:
-        from .plots import plot_multi_tenant
-        plot_multi_tenant(doc, path.with_suffix(".png"))
-    print(f"wrote {path}" + ("" if args.no_plot else f" and {path.with_suffix('.png').name}"))
+    R.publish(doc, R.result_path(args.out_dir, "serve", "multi-tenant", model, hw, args.tag), args,
+              "prefixserve bench serve", plot_multi_tenant)
     return 0
 
 
@@ -93,8 +89,6 @@ def _document(args, hw: dict, model: str, engine_kw: dict, entries: list[dict]) 
         "max_output_len": args.max_output_len, "replicas": args.replicas,
         "routers": args.routers if args.replicas else None, "server_flags": args.server_flags,
         "server": args.base_url or "started per (config, router)",
-        "command": R.command_line(args._parser, args, "prefixserve bench serve"),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "engine": {k: v for k, v in engine_kw.items() if v is not None},
         "configs": {c: R.CONFIGS[c] for c in args.configs},
         "results": entries,

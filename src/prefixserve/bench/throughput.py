@@ -84,13 +84,10 @@ def run(args: argparse.Namespace) -> int:
                                    warmup=not args.no_warmup, profile=args.profile)
     doc = _document(args, hw, model, engine_kw, entries)
     doc["load_average"] = {"start": load_start, "end": R.load_average()}
-    path = R.result_path(args.out_dir, "throughput", args.workload, model, hw, args.tag)
-    R.write_json(path, doc)
     print_summary(doc)
-    if not args.no_plot:
-        from .plots import plot_throughput
-        plot_throughput(doc, path.with_suffix(".png"))
-    print(f"wrote {path}" + ("" if args.no_plot else f" and {path.with_suffix('.png').name}"))
+    from .plots import plot_throughput
+    R.publish(doc, R.result_path(args.out_dir, "throughput", args.workload, model, hw, args.tag), args,
+              "prefixserve bench throughput", plot_throughput)
     return 0
 
 
@@ -307,8 +304,6 @@ def _document(args, hw: dict, model: str, engine_kw: dict, entries: list[dict]) 
     return {
         "benchmark": "throughput", "hardware": hw, "model": model, "workload": args.workload,
         "system_prompt_len": spl[0] if spl and len(spl) == 1 else spl,
-        "command": R.command_line(args._parser, args, "prefixserve bench throughput"),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "engine": {k: v for k, v in engine_kw.items() if v is not None},
         "configs": {c: R.CONFIGS[c] for c in args.configs},
         "sweep": _sweep_lines(args),

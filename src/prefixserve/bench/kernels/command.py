@@ -1,6 +1,6 @@
 """`prefixserve bench kernels`: one decode step's attention, every backend against its limit and peers.
 
-A row is a batch of decoding sequences over a prefix tree (kernel_rows.py): `--shared 2048,512`
+A row is a batch of decoding sequences over a prefix tree (rows.py): `--shared 2048,512`
 puts a 2048-token prefix under all of them, then `--groups` 512-token prefixes, one per group of
 sequences below it; each sequence then holds its own `context - sum(shared)` prompt tokens and
 its decoded token (the query).
@@ -16,14 +16,14 @@ its decoded token (the query).
              published: FlashAttention-2 with LSE, merged in PyTorch), flashinfer-decode and
              flashinfer-cascade (FlashInfer 0.2.14 over the same chunk pool, where importable;
              benchmarks/flashinfer-setup.sh); and beside them hydragen-cudnn / -efficient
-             (Hydragen on cuDNN's / the memory-efficient LSE op). kernel_peers.py says how.
+             (Hydragen on cuDNN's / the memory-efficient LSE op). peers.py says how.
     checks   every backend's and peer's output against the paged backend's: max error over
              max |v|; a peer with a wrong output is not compared
 
 Default grids: ChunkAttention's Table 3 (b 32, 32 heads, d 128, chunk 64; n_p 1024/2048/4096 x
 n_s 0, n_p/2, 3n_p/4, n_p) and a Hydragen-scale grid (b 256/1024, shared 2K/8K/16K, private
 128/512, 32 query / 8 KV heads). Prints a table and the summary; writes
-<out>/kernels-<gpu>.json and .png (kernel_report.py).
+<out>/kernels-<gpu>.json and .png (report.py).
 """
 
 from __future__ import annotations
@@ -35,20 +35,22 @@ import pathlib
 
 import torch
 
-from .kernel_peers import measure_peers
-from .kernel_report import BACKENDS, finish_row, plot, print_table, summarize
-from .kernel_rows import DTYPES, Row, Workload, build, hydragen_grid, limit, table3
-from .kernel_sweep import sweep
-from .kernel_timing import ceilings, max_err, time_call
-from .results import command_line
+from ..results import publish
+from .peers import measure_peers
+from .report import BACKENDS, finish_row, plot, print_table, summarize
+from .rows import DTYPES, Row, Workload, build, hydragen_grid, limit, table3
+from .sweep import sweep
+from .timing import ceilings, max_err, time_call
+
+PROG = "prefixserve bench kernels"
 
 
 def measure_backends(row: Row, device: torch.device) -> tuple[dict, torch.Tensor]:
     """Every backend's planned run() timed, its error vs paged (the first), and for the exact
     schedules the cost model's prediction; returns the entries and paged's output."""
-    from ..attention import create_backend
-    from ..attention.cost import CostModel, schedule_cost
-    from ..attention.schedule import SCHEDULES
+    from ...attention import create_backend
+    from ...attention.cost import CostModel, schedule_cost
+    from ...attention.schedule import SCHEDULES
     model = CostModel.for_device(device)
     entries, ref = {}, None
     for name in BACKENDS:
@@ -97,15 +99,11 @@ def main(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows_w = workloads(args)
     name, slug = device_slug(device)
-    out_dir = pathlib.Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / f"kernels-{slug}.json"
+    json_path = pathlib.Path(args.out) / f"kernels-{slug}.json"
     ceil = ceilings(device, DTYPES[args.dtype])
     print(f"{name}: copy {ceil['copy_bandwidth'] / 1e12:.2f} TB/s, {args.dtype} matmul "
           f"{ceil['matrix_rate'] / 1e12:.0f} TFLOP/s", flush=True)
-    result = {"device": name, "torch": torch.__version__,
-              "command": command_line(args._parser, args, "prefixserve bench kernels"),
-              "ceilings": ceil, "rows": []}
+    result = {"device": name, "torch": torch.__version__, "ceilings": ceil, "rows": []}
     for w in rows_w:
         row = build(w, device)
         result["rows"].append(measure_row(row, ceil, device))
@@ -116,13 +114,12 @@ def main(args) -> int:
         print(f"  {w.grid} {w.label}: best {r['best_backend']} {r['best_us']:.1f} us = "
               f"{r['ratio_to_limit']:.2f} x limit; auto {r['backends']['auto']['chose']}", flush=True)
         result["summary"] = summarize(result["rows"])
-        json_path.write_text(json.dumps(result, indent=1))
+        publish(result, json_path, args, PROG, partial=True)  # the rows so far, should a later one fail
     if args.sweep and device.type == "cuda":
         result["sweep"] = sweep(args.dtype, device)
-        json_path.write_text(json.dumps(result, indent=1))
     print_table(result["rows"])
     print(json.dumps(result["summary"], indent=1))
-    plot(result["rows"], out_dir / f"kernels-{slug}.png", name)
+    publish(result, json_path, args, PROG, lambda doc, png: plot(doc["rows"], png, name))
     return 0
 
 
@@ -147,9 +144,3 @@ def register(sub) -> None:
     p.add_argument("--sweep", action="store_true", help="also time launch shapes of the attend kernel")
     p.set_defaults(func=main, _parser=p)
 
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m prefixserve.bench.kernels")
-    register(parser.add_subparsers(dest="cmd", required=True))
-    ns = parser.parse_args()
-    raise SystemExit(ns.func(ns))

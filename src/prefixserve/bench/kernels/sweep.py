@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernel_rows import Row, build, hydragen_grid, table3
-from .kernel_timing import timed
+from .rows import Row, build, hydragen_grid, table3
+from .timing import timed
 
 # launch shapes tried per unit class: (block_m, block_n, num_warps, num_stages, programs_per_sm)
 SWEEP_NARROW = [(16, 64, 2, 2, 4), (16, 64, 2, 3, 4), (16, 128, 2, 2, 4), (16, 32, 2, 2, 4),
@@ -23,10 +23,10 @@ SWEEP_WIDE = [(128, 64, 4, 2, 4), (128, 64, 4, 3, 4), (128, 64, 4, 2, 2), (64, 6
 def sweep(dtype: str, device: torch.device) -> list[dict]:
     """Time launch shapes of each attend launch (narrow, wide) on a few telling rows, one
     schedule each, and split the default's time into its launches."""
-    from ..attention.backends.hydragen import HydragenBackend
-    from ..attention.backends.paged import PagedBackend
-    from ..attention.ops.triton.kernels import TritonKernels
-    from ..attention.ops.triton.worklist import KernelConfig
+    from ...attention.backends.hydragen import HydragenBackend
+    from ...attention.backends.paged import PagedBackend
+    from ...attention.ops.triton.kernels import TritonKernels
+    from ...attention.ops.triton.worklist import KernelConfig
     t3, hy = table3(dtype), hydragen_grid(dtype)
     picks = [(t3[8], PagedBackend, "narrow"), (t3[10], HydragenBackend, "both"),
              (hy[10], HydragenBackend, "both"), (hy[7], HydragenBackend, "both"),
@@ -67,9 +67,9 @@ def sweep(dtype: str, device: torch.device) -> list[dict]:
 
 def _split_times(be, row: Row, device: torch.device) -> dict:
     """The default run's parts alone: store_kv, each attend launch, both (forked), the merge."""
-    from ..attention.ops.triton.attend import launch_units, launch_worklist
-    from ..attention.ops.triton.merge import merge_rows
-    from ..attention.ops.triton.store import store_kv
+    from ...attention.ops.triton.attend import launch_units, launch_worklist
+    from ...attention.ops.triton.merge import merge_rows
+    from ...attention.ops.triton.store import store_kv
     p, x, kern = be.current, be.current.extra, be.kernels
     launches = kern.launches(x)
     hq, d = row.q.shape[1:]

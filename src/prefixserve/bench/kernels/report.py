@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import pathlib
 
-from .kernel_peers import ALL_PEERS, PEERS
+from .peers import ALL_PEERS, PEERS
 
 BACKENDS = ("paged", "relay", "hydragen", "chunk", "auto")
 PEER_SETS = {"": PEERS, "_incl_cudnn": ALL_PEERS}  # key suffix -> peers compared

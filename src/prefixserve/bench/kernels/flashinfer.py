@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernel_rows import Row
-from .kernel_timing import measure_call
+from .rows import Row
+from .timing import measure_call
 
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (split-K partials); 128 MB advised
 NAMES = ("flashinfer-decode", "flashinfer-cascade")

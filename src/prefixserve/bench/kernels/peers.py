@@ -14,7 +14,7 @@
                          issue names: reported beside it, never instead of it).
     hydragen-efficient   the same on the memory-efficient op (kept for completeness).
     flashinfer-decode    FlashInfer paged decode and multi-level cascade over the very same chunk
-    flashinfer-cascade   pool (kernel_flashinfer.py), where `import flashinfer` works.
+    flashinfer-cascade   pool (flashinfer.py), where `import flashinfer` works.
 
 PEERS are the issue's peers (the bars); ALL_PEERS adds the two extra Hydragen ops, so the
 speedups against every peer measured are reported too. Each peer's output is checked against
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from .kernel_flashinfer import flashinfer_peers
-from .kernel_rows import Row
-from .kernel_timing import measure_call
+from .flashinfer import flashinfer_peers
+from .rows import Row
+from .timing import measure_call
 
 PEERS = ("sdpa", "hydragen-pub", "flashinfer-decode", "flashinfer-cascade")
 ALL_PEERS = PEERS + ("hydragen-cudnn", "hydragen-efficient")

@@ -70,7 +70,7 @@ class Row:
 
 
 def build(w: Workload, device: torch.device, seed: int = 0) -> Row:
-    from ..attention.base import AttentionBatch, AttentionShape, Segment, SeqQueries
+    from ...attention.base import AttentionBatch, AttentionShape, Segment, SeqQueries
     b, c, dtype = w.batch, w.chunk_size, DTYPES[w.dtype]
     for lvl in range(len(w.shared)):
         assert b % w.nodes(lvl) == 0, "sequences must split evenly into groups"
