@@ -102,7 +102,7 @@ class ModelConfig:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
+    def from_hf(cls, cfg: dict) -> ModelConfig:
         """An HF config.json (a multimodal one's `text_config` for its text tower)."""
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         if "text_config" in cfg:
@@ -243,7 +243,7 @@ class EngineConfig:
             raise ValueError("load_format='dummy' needs model= naming a config.json or its folder")
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
         """Flat keyword arguments (as `LLM(...)` and the CLI take them) -> nested configs."""
         groups = {}
         for sub in (CacheConfig, SchedulerConfig):

@@ -129,7 +129,7 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _require(_is_int(t), f"stop_token_ids must be ints, got {t!r}")
 
-    def for_model(self, vocab_size: int) -> "SamplingParams":
+    def for_model(self, vocab_size: int) -> SamplingParams:
         """Checks that need the model (every stop token id in [0, vocab_size)); -> these params
         with `top_k` clamped to the vocabulary (0: off)."""
         for t in self.stop_token_ids:

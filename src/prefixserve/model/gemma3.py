@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Hashable
+from collections.abc import Hashable
 
 import torch
 from torch import nn

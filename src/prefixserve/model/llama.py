@@ -12,7 +12,7 @@ rotary), `weight_target` / `shard_keys` / `param_region` (how HF names land in p
 
 from __future__ import annotations
 
-from typing import Hashable, Iterable
+from collections.abc import Hashable, Iterable
 
 import torch
 from torch import nn

@@ -18,8 +18,8 @@ import importlib.util
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 

@@ -13,7 +13,7 @@ products are all-reduced; the router is replicated.
 from __future__ import annotations
 
 import re
-from typing import Hashable
+from collections.abc import Hashable
 
 import torch
 from torch import nn

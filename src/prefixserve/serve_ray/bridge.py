@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from starlette.types import ASGIApp, Message
 

@@ -17,7 +17,8 @@ import json
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Callable, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -53,11 +54,11 @@ async def parse_body(request: Request, model: type[M]) -> M:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise APIError(400, f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})")
+        raise APIError(400, f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})") from e
     try:
         return model.model_validate_json(text)
     except ValidationError as e:
-        raise from_validation_error(e)
+        raise from_validation_error(e) from e
 
 
 def request_params(state: ServerState, req: SamplingFields, max_tokens: tuple[int | None, str],
@@ -78,7 +79,7 @@ def request_params(state: ServerState, req: SamplingFields, max_tokens: tuple[in
         return SamplingParams(max_tokens=max_tokens[0], **{k: v for k, v in optional.items() if v is not None})
     except ValueError as e:
         name = str(e).split(" ", 1)[0]
-        raise APIError(400, str(e), name if name in _PARAM_NAMES else None)
+        raise APIError(400, str(e), name if name in _PARAM_NAMES else None) from e
 
 
 def _check_limits(limits: ServerLimits, req: SamplingFields, max_tokens: tuple[int | None, str],
@@ -120,7 +121,7 @@ class Generation:
         self._closed = False
 
     async def start(self, prompt_ids: Callable[[], list[int]], params: SamplingParams, request: Request,
-                    cache_salt: str | None) -> "Generation":
+                    cache_salt: str | None) -> Generation:
         """Tokenize (off the event loop) and hand the request to the engine, in the partition of
         its key's tenant and its cache_salt (server/tenancy.py). Closes on failure."""
         try:
@@ -130,10 +131,10 @@ class Generation:
                                                               cache_salt or "")
         except ValueError as e:
             self.close()
-            raise APIError(400, str(e))
+            raise APIError(400, str(e)) from e
         except EngineDeadError as e:
             self.close()
-            raise APIError(503, str(e), None, "engine_unavailable")
+            raise APIError(503, str(e), None, "engine_unavailable") from e
         except BaseException:
             self.close()
             raise
@@ -184,7 +185,7 @@ def _engine_result(task: asyncio.Future) -> RequestOutput:
     try:
         return task.result()
     except (RequestAborted, EngineDeadError, RequestFailed) as e:
-        raise APIError(*_stopped(e))
+        raise APIError(*_stopped(e)) from e
 
 
 def _stopped(e: Exception) -> tuple[int, str, None, str]:
@@ -196,8 +197,8 @@ def _stopped(e: Exception) -> tuple[int, str, None, str]:
 
 async def _last(stream: RequestStream) -> RequestOutput:
     out = None
-    async for out in stream:
-        pass
+    async for item in stream:
+        out = item
     return out
 
 
