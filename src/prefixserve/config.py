@@ -245,12 +245,13 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
         """Flat keyword arguments (as `LLM(...)` and the CLI take them) -> nested configs."""
-        groups = {}
-        for sub in (CacheConfig, SchedulerConfig):
+        def take(sub: type) -> dict:
             names = {f.name for f in dataclasses.fields(sub)}
-            groups[sub] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+            return {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+
+        cache, scheduler = CacheConfig(**take(CacheConfig)), SchedulerConfig(**take(SchedulerConfig))
         own = {f.name for f in dataclasses.fields(cls)}
         unknown = set(kwargs) - own
         if unknown:
             raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
-        return cls(cache=groups[CacheConfig], scheduler=groups[SchedulerConfig], **kwargs)
+        return cls(cache=cache, scheduler=scheduler, **kwargs)

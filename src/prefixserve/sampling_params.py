@@ -124,7 +124,7 @@ class SamplingParams:
             _require(_is_real(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
 
     def _check_stops(self) -> None:
-        for s in self.stop:
+        for s in self.stop or ():  # a tuple by now (_normalise)
             _require(isinstance(s, str) and s != "", f"stop strings must be non-empty str, got {s!r}")
         for t in self.stop_token_ids:
             _require(_is_int(t), f"stop_token_ids must be ints, got {t!r}")

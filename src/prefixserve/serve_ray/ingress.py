@@ -93,7 +93,7 @@ def _is_stream(start: dict) -> bool:
 
 
 async def _body(receive: Receive) -> bytes:
-    chunks = []
+    chunks: list[bytes] = []
     while True:
         message = await receive()
         if message["type"] != "http.request":

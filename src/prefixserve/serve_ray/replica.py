@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 class EngineReplica:
-    async def __init__(self, args: argparse.Namespace, threads: int, board):
+    async def __init__(self, args: argparse.Namespace, threads: int, board):  # type: ignore[misc]  # Ray Serve awaits it
         import torch
         from ray import serve
 

@@ -72,7 +72,7 @@ class _Render:
 def _logprobs(token_ids: list[int], logprobs: list[dict], offset: int) -> tuple[dict, int]:
     """OpenAI's legacy shape; `text_offset` counts characters of the decoded tokens from the
     start of the completion. Returns it and the offset after its last token."""
-    result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     # not strict: logprobs may be the sequence's live list (Request.output does not copy it),
     # a step ahead of token_ids when the engine thread has appended since
     for token, entry in zip(token_ids, logprobs, strict=False):

@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -69,12 +69,12 @@ def request_params(state: ServerState, req: SamplingFields, max_tokens: tuple[in
         raise APIError(404, f"the model `{req.model}` does not exist; this server serves "
                        f"`{state.cfg.served_model_name}`", "model", "model_not_found")
     _check_limits(state.cfg.limits, req, max_tokens, logprobs)
-    optional = dict(n=req.n, temperature=req.temperature, top_p=req.top_p, seed=req.seed, stop=req.stop,
-                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                    top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
-                    min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs[0],
-                    stop_token_ids=req.stop_token_ids, include_stop_str_in_output=req.include_stop_str_in_output,
-                    skip_special_tokens=req.skip_special_tokens)
+    optional: dict[str, Any] = dict(n=req.n, temperature=req.temperature, top_p=req.top_p, seed=req.seed, stop=req.stop,
+                                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                    top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                                    min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs[0],
+                                    stop_token_ids=req.stop_token_ids, include_stop_str_in_output=req.include_stop_str_in_output,
+                                    skip_special_tokens=req.skip_special_tokens)
     try:  # a field left None takes SamplingParams' default; max_tokens None: see fit_max_tokens
         return SamplingParams(max_tokens=max_tokens[0], **{k: v for k, v in optional.items() if v is not None})
     except ValueError as e:
@@ -235,7 +235,7 @@ class DeltaTracker:
     have. Held back this way, the streamed text always equals the non-streamed text."""
 
     def __init__(self, n: int, params: SamplingParams):
-        self.hold = max((len(s) for s in params.stop), default=1) - 1
+        self.hold = max((len(s) for s in params.stop or ()), default=1) - 1
         self.text_sent, self.tokens_sent = [0] * n, [0] * n
         self.done = [False] * n
 
