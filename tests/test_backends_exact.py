@@ -40,7 +40,7 @@ def test_greedy_identical_across_backends(workloads, references, backend, mode):
     for name, (prefix, prompts) in workloads.items():
         partitions = [spread[i % 3] for i in range(len(prompts))] if mode == "tenants" else None
         outs = run_checked(llm, prompts, params, partitions)
-        for out, ref in zip(outs, references[name]):
+        for out, ref in zip(outs, references[name], strict=True):
             assert [c.token_ids for c in out.outputs] == [ref, ref], (name, backend)
             if mode != "unpinned":  # the public pin is read whatever the partition
                 assert out.num_cached_tokens >= len(prefix), (name, backend)

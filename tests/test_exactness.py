@@ -36,7 +36,7 @@ def test_batch_matches_transformers(make_llm, prompts, references, chunk_size):
 
 def test_each_alone_matches_transformers(make_llm, prompts, references):
     llm = make_llm(enable_prefix_caching=False)
-    for p, ref in zip(prompts, references):
+    for p, ref in zip(prompts, references, strict=True):
         assert run_checked(llm, [p], GREEDY)[0].outputs[0].token_ids == ref
 
 

@@ -56,7 +56,7 @@ def test_logprobs_stop_strings_and_n(make_llm):
     for c in out.outputs:
         assert c.finish_reason == "stop" and "Paris" not in c.text
         assert len(c.logprobs) == len(c.token_ids)
-        assert all(t in lp and len(lp) >= 3 for t, lp in zip(c.token_ids, c.logprobs))
+        assert all(t in lp and len(lp) >= 3 for t, lp in zip(c.token_ids, c.logprobs, strict=True))
 
 
 @pytest.mark.parametrize("kwargs, needle", [

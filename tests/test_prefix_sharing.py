@@ -54,7 +54,7 @@ def test_shared_system_prompt_is_stored_and_computed_once(system_chats):
     ref = run_checked(nocache, chats, GREEDY)
     assert nocache.kv_cache_stats().computed_prompt_tokens == sum(map(len, chats))
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
-    for chat, out in list(zip(chats, outs))[::4]:
+    for chat, out in list(zip(chats, outs, strict=True))[::4]:
         assert out.outputs[0].token_ids == hf_greedy(chat, NEW)
 
 

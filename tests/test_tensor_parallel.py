@@ -13,7 +13,7 @@ import time
 import pytest
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.engine.workers import Workers, WorkerError
+from prefixserve.engine.workers import WorkerError, Workers
 
 
 def test_tp3_matches_tp1_on_a_shared_prefix_batch(make_llm, sharegpt_questions, tokenizer):
@@ -90,7 +90,6 @@ def test_tp_size_that_does_not_divide_the_heads_is_a_clear_error():
 
 
 def test_workers_die_when_the_engine_process_is_killed(tmp_path):
-    import os
     import signal
     import subprocess
     import sys

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

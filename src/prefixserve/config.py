@@ -102,7 +102,7 @@ class ModelConfig:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
+    def from_hf(cls, cfg: dict) -> ModelConfig:
         """An HF config.json (a multimodal one's `text_config` for its text tower)."""
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         if "text_config" in cfg:
@@ -243,14 +243,15 @@ class EngineConfig:
             raise ValueError("load_format='dummy' needs model= naming a config.json or its folder")
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
         """Flat keyword arguments (as `LLM(...)` and the CLI take them) -> nested configs."""
-        groups = {}
-        for sub in (CacheConfig, SchedulerConfig):
+        def take(sub: type) -> dict:
             names = {f.name for f in dataclasses.fields(sub)}
-            groups[sub] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+            return {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+
+        cache, scheduler = CacheConfig(**take(CacheConfig)), SchedulerConfig(**take(SchedulerConfig))
         own = {f.name for f in dataclasses.fields(cls)}
         unknown = set(kwargs) - own
         if unknown:
             raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
-        return cls(cache=groups[CacheConfig], scheduler=groups[SchedulerConfig], **kwargs)
+        return cls(cache=cache, scheduler=scheduler, **kwargs)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
@@ -32,7 +32,7 @@ class LLM:
         """Stop the tensor-parallel workers, if any (also at interpreter exit)."""
         self.engine.close()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -41,7 +41,8 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, *, cache_salt: str | Sequence[str] = "") -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs in the order of the prompts.
         `cache_salt` (one for all, or one per prompt): prompts share cached prefixes only with
@@ -56,7 +57,7 @@ class LLM:
                 raise ValueError(f"got {len(given)} {name} for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p, salt in zip(prompts, params, salts):
+            for prompt, p, salt in zip(prompts, params, salts, strict=True):
                 ids.append(str(next(self._ids)))
                 self.engine.add_request(ids[-1], prompt, p, cache_salt=salt)
         except ValueError:

@@ -124,12 +124,12 @@ class SamplingParams:
             _require(_is_real(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
 
     def _check_stops(self) -> None:
-        for s in self.stop:
+        for s in self.stop or ():  # a tuple by now (_normalise)
             _require(isinstance(s, str) and s != "", f"stop strings must be non-empty str, got {s!r}")
         for t in self.stop_token_ids:
             _require(_is_int(t), f"stop_token_ids must be ints, got {t!r}")
 
-    def for_model(self, vocab_size: int) -> "SamplingParams":
+    def for_model(self, vocab_size: int) -> SamplingParams:
         """Checks that need the model (every stop token id in [0, vocab_size)); -> these params
         with `top_k` clamped to the vocabulary (0: off)."""
         for t in self.stop_token_ids:

@@ -50,8 +50,9 @@ class Uploader:
         event.record(torch.cuda.current_stream(self.device))
         self._events[self._slot] = event
         self._slot, self._used = (self._slot + 1) % _RING, 0
-        if self._events[self._slot] is not None:
-            self._events[self._slot].synchronize()
+        pending = self._events[self._slot]
+        if pending is not None:
+            pending.synchronize()
             self._events[self._slot] = None
 
     def _stage(self, nbytes: int) -> torch.Tensor:

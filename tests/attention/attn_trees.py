@@ -140,7 +140,7 @@ def make_case(draw: Draw, gen: torch.Generator, size: int, group: int, dtype: to
     for i in order:
         q_starts[i], row = row, row + q_lens[i]
     seqs, seq_kv, new = [], [], [None] * row
-    for (path, kv_len), qs, n in zip(paths, q_starts, q_lens):
+    for (path, kv_len), qs, n in zip(paths, q_starts, q_lens, strict=True):
         segs = seq_segments(path, kv_len, size)
         slots = [s for node in path for s in node.slots(size)][:kv_len]
         k = torch.cat([node.k for node in path])[:kv_len]
@@ -167,7 +167,7 @@ def dense_attention(case: Case, window: int | None = None) -> torch.Tensor:
     sliding window W, a query at position p sees keys at (p - W, p]."""
     out = torch.full(case.q.shape, float("nan"), dtype=torch.float64)
     g = case.shape.num_heads // case.shape.num_kv_heads
-    for s, (k, v) in zip(case.batch.seqs, case.seq_kv):
+    for s, (k, v) in zip(case.batch.seqs, case.seq_kv, strict=True):
         k, v = (x.double().repeat_interleave(g, dim=1) for x in (k, v))  # [L, Hq, D]
         q = case.q[s.q_start:s.q_start + s.q_len].double()
         scores = torch.einsum("nhd,lhd->hnl", q, k) * case.shape.scale

@@ -5,13 +5,14 @@ import random
 
 import pytest
 import torch
-from attn_trees import dense_attention, make_case
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixserve.attention import AttentionBatch, backend_names, create_backend
 from prefixserve.attention.backends.auto import AutoBackend
 from prefixserve.attention.cost import GPU_COST_MODEL
+
+from attn_trees import dense_attention, make_case
 
 EXACT = ["paged", "relay", "hydragen", "chunk", "auto"]
 # Error of the fp32 computation relative to max|v|: ~u * (|score| + sqrt(keys)) with
@@ -23,7 +24,7 @@ BF16_U = 2.0**-8  # unit roundoff of bfloat16 (8 significant bits): the cast of 
 def check_close(o: torch.Tensor, case, ref: torch.Tensor) -> None:
     """|o - ref| <= u_out * |ref| + FP32_TOL * max|v| per sequence, u_out = 0 for fp32."""
     u_out = BF16_U if o.dtype == torch.bfloat16 else 0.0
-    for s, (_, v) in zip(case.batch.seqs, case.seq_kv):
+    for s, (_, v) in zip(case.batch.seqs, case.seq_kv, strict=True):
         rows = slice(s.q_start, s.q_start + s.q_len)
         err = (o[rows].double() - ref[rows]).abs()
         bound = u_out * ref[rows].abs() + FP32_TOL * v.double().abs().max()

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from prefixserve.attention import create_backend
-from prefixserve.attention.base import (AttentionBatch, AttentionShape, PaddedRows, Segment,
-                                         SeqQueries)
+from prefixserve.attention.base import AttentionBatch, AttentionShape, PaddedRows, Segment, SeqQueries
 from prefixserve.attention.plan import DevicePlan
 
 C, HKV, G, D = 16, 2, 3, 8

@@ -18,7 +18,7 @@ def batch(*paths, pinned=(), q_starts=None):
     """Decode batch: one query per path, rows in path order unless q_starts given."""
     q_starts = q_starts or range(len(paths))
     seqs = tuple(SeqQueries(qs, 1, sum(s.length for s in p) - 1, tuple(p))
-                 for qs, p in zip(q_starts, paths))
+                 for qs, p in zip(q_starts, paths, strict=True))
     return AttentionBatch(seqs, C, torch.arange(len(paths)), frozenset(pinned))
 
 

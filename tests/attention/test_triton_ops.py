@@ -30,19 +30,18 @@ if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' modules import triton
 pytest.importorskip("triton")
 
-from attn_trees import dense_attention, make_case  # noqa: E402
-
 from prefixserve.attention.backends.chunk import ChunkBackend  # noqa: E402
-from prefixserve.attention.base import PaddedRows  # noqa: E402
 from prefixserve.attention.backends.hydragen import HydragenBackend  # noqa: E402
 from prefixserve.attention.backends.paged import PagedBackend  # noqa: E402
 from prefixserve.attention.backends.relay import RelayBackend  # noqa: E402
+from prefixserve.attention.base import PaddedRows  # noqa: E402
 from prefixserve.attention.ops import reference  # noqa: E402
 from prefixserve.attention.ops import triton as tops  # noqa: E402
-from prefixserve.attention.ops.triton.worklist import (  # noqa: E402
-    KernelConfig, build_worklist, choose_configs)
+from prefixserve.attention.ops.triton.worklist import KernelConfig, build_worklist, choose_configs  # noqa: E402
 from prefixserve.attention.plan import index_arrays  # noqa: E402
 from prefixserve.attention.schedule import SCHEDULES  # noqa: E402
+
+from attn_trees import dense_attention, make_case  # noqa: E402
 
 FP32_TOL = 1e-5
 U = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
@@ -143,7 +142,7 @@ def test_store_kv_writes_exactly_the_slots(dtype, cast):
     # the interpreter truncates fp32 -> bf16 (triton 3.9); compiled Triton rounds to nearest
     # even, as torch does: one bf16 ulp of slack there only
     ulp = 2.0**-7 if cast and dtype == torch.bfloat16 and DEVICE.type == "cpu" else 0.0
-    for x, y in zip(got, expect):
+    for x, y in zip(got, expect, strict=True):
         assert ((x.cpu().float() - y.float()).abs() <= ulp * y.float().abs()).all()
 
 

@@ -20,8 +20,6 @@ DEVICE = torch.device(os.environ.get("PREFIXSERVE_TRITON_TEST_DEVICE", "cpu"))
 if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' modules import triton
 
-from attn_trees import dense_attention, make_case  # noqa: E402
-
 from prefixserve.attention import create_backend  # noqa: E402
 from prefixserve.attention.backends.chunk import ChunkBackend  # noqa: E402
 from prefixserve.attention.backends.hydragen import HydragenBackend  # noqa: E402
@@ -30,6 +28,8 @@ from prefixserve.attention.base import AttentionBatch, Segment, SeqQueries  # no
 from prefixserve.attention.cost import schedule_cost  # noqa: E402
 from prefixserve.attention.schedule import SCHEDULES  # noqa: E402
 from prefixserve.attention.window import windowed  # noqa: E402
+
+from attn_trees import dense_attention, make_case  # noqa: E402
 
 EXACT = ["paged", "relay", "hydragen", "chunk", "auto"]
 FP32_TOL = 1e-5  # relative to max|v| (see test_backends)

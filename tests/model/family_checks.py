@@ -102,7 +102,7 @@ def check_engine(ref: Reference, backend: str, prefix_caching: bool, **engine_kw
     with llm:  # closes tensor-parallel workers and their process group
         for round in range(2):
             outs = run_checked(llm, ref.prompts, params)
-            for out, greedy, first in zip(outs, ref.greedy, ref.first_logprobs):
+            for out, greedy, first in zip(outs, ref.greedy, ref.first_logprobs, strict=True):
                 assert [c.token_ids for c in out.outputs] == [greedy, greedy], (backend, prefix_caching)
                 for token, lp in out.outputs[0].logprobs[0].items():
                     assert abs(lp.logprob - first[token].item()) <= LOGPROB_TOL, (token, lp)

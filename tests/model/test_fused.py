@@ -235,7 +235,7 @@ def test_dispatch_by_device(dtype):
     """CPU tensors run the reference (the exactness promise), CUDA tensors the kernels."""
     expected = kernels if DEVICE.type == "cuda" else reference
     got, want = run_all(fused, *op_inputs(dtype, 0)), run_all(expected, *op_inputs(dtype, 0))
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
@@ -246,11 +246,11 @@ def test_ops_replay_in_cuda_graphs():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = run_all(kernels, *static)
-    for buf, value in zip(static, op_inputs(torch.bfloat16, 1)):
+    for buf, value in zip(static, op_inputs(torch.bfloat16, 1), strict=True):
         buf.copy_(value)
     graph.replay()
     eager = run_all(kernels, *op_inputs(torch.bfloat16, 1))
-    assert all(torch.equal(a, b) for a, b in zip(outs, eager))
+    assert all(torch.equal(a, b) for a, b in zip(outs, eager, strict=True))
 
 
 def test_imports_and_runs_on_cpu_without_triton():

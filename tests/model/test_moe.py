@@ -24,8 +24,7 @@ if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' module imports triton
 pytest.importorskip("triton")
 
-from prefixserve.model.fused import moe, moe_reference  # noqa: E402
-from prefixserve.model.fused import moe_triton  # noqa: E402
+from prefixserve.model.fused import moe, moe_reference, moe_triton  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 U = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}

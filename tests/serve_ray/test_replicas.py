@@ -5,6 +5,7 @@ application for the module; the replica-kill test runs last."""
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import re
 import signal
@@ -120,7 +121,7 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request_on_the_replica(app):
         model=MODEL, stream=True, max_tokens=2000, extra_body={"ignore_eos": True},
         messages=[{"role": "system", "content": SYSTEMS[2]}, {"role": "user", "content": "Count to a million."}])
     replica, stream = raw.headers["x-prefixserve-replica"], raw.parse()
-    for _, _ in zip(range(3), stream):
+    for _ in itertools.islice(stream, 3):
         pass
     stream.close()
     aborted = rf'prefixserve_requests_finished_total\{{reason="abort",replica="{replica}"\}} 1\.0'

@@ -74,7 +74,7 @@ def test_tenant_names_cannot_break_the_key_s_prefix(name):
 
 def test_requests_sharing_a_system_prompt_share_a_key_prefix():
     a, b = routing_key("t", _chat("You are terse.", "hi")), routing_key("t", _chat("You are terse.", "yo"))
-    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
     assert a[:common].endswith("You are terse.\x1e" + "user\x1f")
 
 

@@ -254,6 +254,6 @@ def test_vllm_stop_fields_are_honoured_not_ignored(server, tokenizer):
         r = server.post("/v1/completions", {**greedy, "logprobs": None, "stop": [word], "include_stop_str_in_output": include})
         assert r.json()["choices"][0]["text"].endswith(word) == include, (word, r.text)
     say_hi = chat(server, messages=[{"role": "user", "content": "Hi"}], temperature=0, max_tokens=16, ignore_eos=True)
-    texts = {skip: server.post("/v1/chat/completions", {**say_hi, "skip_special_tokens": skip}).json()["choices"][0]["message"]["content"]
-             for skip in (True, False)}
+    replies = {skip: server.post("/v1/chat/completions", {**say_hi, "skip_special_tokens": skip}) for skip in (True, False)}
+    texts = {skip: r.json()["choices"][0]["message"]["content"] for skip, r in replies.items()}
     assert "<|im_end|>" in texts[False] and "<|im_end|>" not in texts[True], texts

@@ -112,7 +112,7 @@ def test_completion_logprobs(client, server):
     n = r.usage.completion_tokens
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
     assert "".join(lp.tokens) == r.choices[0].text
-    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
         assert 1 <= len(top) <= 4 and value <= 0
         assert value == pytest.approx(max(top.values()))  # greedy: the sampled token is the top one
 

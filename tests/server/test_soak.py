@@ -158,10 +158,11 @@ def test_soak(server):
         time.sleep(0.2)
     assert not any(leaked.values()), f"leaked: {leaked} (threads were {threads}, fds {fds})"
     assert server.get("/health", headers={}).status_code == 200
-    figures = {"seconds": SECONDS, "requests": len(results), "outcomes": collections.Counter(f"{k}:{s}" for k, s, _, _ in results),
+    figures = {"seconds": SECONDS, "requests": len(results),
+               "outcomes": collections.Counter(f"{k}:{s}" for k, s, _, _ in results),
                "kv_peak_use": round(after["peak_physical_tokens"] / after["capacity_tokens"], 3), **latency(results),
                "leaks": leaked}
-    print("soak:", json.dumps(figures, default=dict))  # noqa: T201 (make soak reports these figures)
+    print("soak:", json.dumps(figures, default=dict))  # make soak reports these figures
     assert figures["ok_p50_s"] is not None, "no good request completed"
 
 
@@ -178,7 +179,7 @@ def test_soak_tensor_parallel_worker_killed(tmp_path):
                **latency(results), "worker_kills": {"done": len(kills), "detected": sum(k["detected"] for k in kills),
                                                     "orphans": sum(k["orphans"] for k in kills),
                                                     "exit_s_max": max(k["exit_s"] for k in kills)}}
-    print("soak tp:", json.dumps(figures, default=dict))  # noqa: T201 (make soak reports these figures)
+    print("soak tp:", json.dumps(figures, default=dict))  # make soak reports these figures
     assert all(k["detected"] and not k["orphans"] for k in kills), kills
 
 

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from prefixserve.server.tenancy import key_tenant
+
 from server_process import API_KEY, SYSTEM_PROMPT, launch
 
 ADMIN_KEY = "admin-key-77aa"

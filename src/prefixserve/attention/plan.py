@@ -105,7 +105,7 @@ def _entries(sched: Schedule, size: int) -> dict[str, np.ndarray]:
     first = start // size
     count = (end - 1) // size - first + 1  # chunks each piece touches
     chunk_ids = itertools.chain.from_iterable(
-        p.seg.chunks[f:f + n] for p, f, n in zip(pieces, first.tolist(), count.tolist()))
+        p.seg.chunks[f:f + n] for p, f, n in zip(pieces, first.tolist(), count.tolist(), strict=True))
     piece = np.repeat(np.arange(len(pieces)), count)  # [E]: entry -> piece
     cidx = first[piece] + np.arange(count.sum()) - np.repeat(_csr(count)[:-1], count)
     lo = np.maximum(start[piece], cidx * size)

@@ -28,6 +28,7 @@ one item per contiguous run of rows: less batching, still exact.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 
 from .base import AttentionBatch, Segment, SeqQueries
@@ -194,7 +195,7 @@ def _per_chunk(piece: Piece, chunk_size: int) -> list[Piece]:
     cuts = range((off + piece.lo) // chunk_size * chunk_size + chunk_size - off, piece.hi,
                  chunk_size)
     bounds = [piece.lo, *cuts, piece.hi]
-    return [Piece(piece.seg, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+    return [Piece(piece.seg, lo, hi) for lo, hi in itertools.pairwise(bounds)]
 
 
 def chunk(batch: AttentionBatch) -> Schedule:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Hashable
+from collections.abc import Hashable
 
 import torch
 from torch import nn
@@ -106,7 +106,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(cfg, tp, full if cfg.window(i) is None else local, i)
             for i in range(cfg.num_layers))
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # HF's name (model.norm); Gemma's forward calls it, never RMSNorm's add_forward
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # type: ignore[assignment]
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, self.embed_tokens.num_embeddings, bias=False)
 

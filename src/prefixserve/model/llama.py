@@ -12,7 +12,8 @@ rotary), `weight_target` / `shard_keys` / `param_region` (how HF names land in p
 
 from __future__ import annotations
 
-from typing import Hashable, Iterable
+from collections.abc import Hashable, Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -135,6 +136,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, attn, k_caches[i], v_caches[i])
+        assert residual is not None  # set by the first layer (num_layers >= 1)
         return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -206,6 +208,7 @@ class LlamaForCausalLM(nn.Module):
         """The view of `param` that the part `key` fills (rows of a fused projection)."""
         if key is None:
             return param
-        sizes = self.layers[0].self_attn.sizes if "qkv_proj" in name else (param.shape[0] // 2,) * 2
+        assert isinstance(key, int)  # shard_keys: the part's index in the fused projection
+        sizes = cast(Attention, self.layers[0].self_attn).sizes if "qkv_proj" in name else (param.shape[0] // 2,) * 2
         start = sum(sizes[:key])
         return param[start:start + sizes[key]]

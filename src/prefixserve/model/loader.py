@@ -18,8 +18,8 @@ import importlib.util
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -92,6 +92,7 @@ def weight_files(folder: Path) -> list[Path]:
 
 def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
+    assert src.folder is not None, "only dummy weights come without a folder"
     for file in weight_files(src.folder):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
@@ -131,8 +132,8 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None):
     neither is given and the folder holds no tokenizer file (a weights-only checkpoint)."""
     from transformers import AutoTokenizer
     where = tokenizer or src.folder
-    if tokenizer is None and (where is None or not any((where / f).exists() for f in _TOKENIZER_FILES)):
-        log.info("no tokenizer beside the model (%s); prompts must be token ids", where)
+    if tokenizer is None and (src.folder is None or not any((src.folder / f).exists() for f in _TOKENIZER_FILES)):
+        log.info("no tokenizer beside the model (%s); prompts must be token ids", src.folder)
         return None
     try:
         return AutoTokenizer.from_pretrained(str(where))

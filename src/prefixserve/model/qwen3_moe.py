@@ -13,7 +13,7 @@ products are all-reduced; the router is replicated.
 from __future__ import annotations
 
 import re
-from typing import Hashable
+from collections.abc import Hashable
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
         m = cfg.moe
+        assert m is not None, "SparseMoE needs a ModelConfig with moe set"
         self.tp, self.top_k, self.renormalize = tp, m.top_k, m.norm_topk_prob
         self.size = tp.part(m.intermediate_size, "moe_intermediate_size")
         self.gate = nn.Linear(cfg.hidden_size, m.num_experts, bias=False)  # the router
@@ -83,8 +84,10 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     def param_region(self, param: torch.Tensor, name: str, key: Hashable) -> torch.Tensor:
         if name.endswith("mlp.w2"):
+            assert isinstance(key, tuple)  # shard_keys: (expert,)
             return param[key[0]]
         if name.endswith("mlp.w13"):
+            assert isinstance(key, tuple)  # shard_keys: (expert, is_up)
             size = param.shape[1] // 2
             return param[key[0], key[1] * size:(key[1] + 1) * size]
         return super().param_region(param, name, key)

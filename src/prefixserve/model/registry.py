@@ -8,8 +8,10 @@ checkpoint's family is the only one loaded, and this module imports nothing heav
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:
+    from .llama import LlamaForCausalLM
 
 # architecture -> (module under prefixserve.model, class name)
 _FAMILIES: dict[str, tuple[str, str]] = {
@@ -26,8 +28,9 @@ def supported_architectures() -> list[str]:
     return sorted(_FAMILIES)
 
 
-def model_class(architecture: str) -> type[nn.Module]:
-    """The class for an HF architecture name; ValueError naming the supported ones."""
+def model_class(architecture: str) -> type[LlamaForCausalLM]:
+    """The class for an HF architecture name (every family subclasses Llama's); ValueError naming
+    the supported ones."""
     if architecture not in _FAMILIES:
         raise ValueError(f"unsupported model architecture {architecture!r}; supported: "
                          f"{', '.join(supported_architectures())}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from starlette.types import ASGIApp, Message
 
@@ -46,7 +46,7 @@ class ASGIBridge:
 
     def __init__(self, app: ASGIApp, replica: str):
         self.app, self.replica = app, replica.encode()
-        self._tasks: set[asyncio.Task] = set()  # apps still running after their caller left
+        self._tasks: set[asyncio.Future[None]] = set()  # apps still running after their caller left
 
     async def run(self, call: HTTPCall) -> AsyncIterator[Message]:
         sent: asyncio.Queue[Message | None] = asyncio.Queue()
@@ -64,9 +64,14 @@ class ASGIBridge:
                 message = {**message, "headers": [*message.get("headers", ()), (REPLICA_HEADER, self.replica)]}
             sent.put_nowait(message)
 
-        task = asyncio.create_task(self.app(call.scope(), receive, send))
+        def finished(task: asyncio.Future[None]) -> None:
+            self._tasks.discard(task)
+            sent.put_nowait(None)
+            _log_failure(task)
+
+        task = asyncio.ensure_future(self.app(call.scope(), receive, send))  # ASGIApp: any Awaitable
         self._tasks.add(task)
-        task.add_done_callback(lambda t: (self._tasks.discard(t), sent.put_nowait(None), _log_failure(t)))
+        task.add_done_callback(finished)
         try:
             while (message := await sent.get()) is not None:
                 yield message
@@ -76,6 +81,6 @@ class ASGIBridge:
             gone.set()  # finished, or the caller left: either way the app may see a disconnect now
 
 
-def _log_failure(task: asyncio.Task) -> None:
+def _log_failure(task: asyncio.Future[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("the app failed on a call", exc_info=task.exception())

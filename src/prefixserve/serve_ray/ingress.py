@@ -60,7 +60,7 @@ class Ingress:
         messages = self.engine.options(stream=True).serve_call.remote(call)
         try:
             start = await messages.__anext__()
-        except Exception as e:  # noqa: BLE001 - a replica that died or could not be reached
+        except Exception as e:  # a replica that died or could not be reached
             log.warning("no replica answered %s %s: %r", scope["method"], scope["path"], e)
             response = error_response(503, f"the replica serving this request failed: {type(e).__name__}",
                                       None, "replica_unavailable")
@@ -77,7 +77,7 @@ async def _relay(messages, send: Send, stream: bool) -> None:
             await send(message)
             if not message.get("more_body", False):
                 return
-    except Exception as e:  # noqa: BLE001 - ends this response only
+    except Exception as e:  # ends this response only
         log.warning("the replica failed mid-response: %r", e)
         if stream:
             event = error_body(503, f"the replica serving this request failed: {type(e).__name__}", None,
@@ -93,7 +93,7 @@ def _is_stream(start: dict) -> bool:
 
 
 async def _body(receive: Receive) -> bytes:
-    chunks = []
+    chunks: list[bytes] = []
     while True:
         message = await receive()
         if message["type"] != "http.request":

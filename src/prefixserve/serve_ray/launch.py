@@ -82,7 +82,8 @@ def _application(args: argparse.Namespace, cfg, scale: ScaleOutConfig, router):
         serve.ingress()(Ingress), name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=scale.replicas * limits.max_concurrent_requests + 16)
     threads = max(1, math.floor(scale.cpus_per_replica))
-    return ingress.bind(cfg, engine.bind(args, threads, board), board)
+    # serve.deployment's overloads hide the Deployment that a call with options returns
+    return ingress.bind(cfg, engine.bind(args, threads, board), board)  # type: ignore[attr-defined]
 
 
 def _check_port(host: str, port: int) -> None:

@@ -28,7 +28,7 @@ class ScaleOutConfig:
             raise ValueError(f"--gpus-per-replica must be >= 0, got {self.gpus_per_replica!r}")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "ScaleOutConfig":
+    def from_args(cls, args: argparse.Namespace) -> ScaleOutConfig:
         gpus = args.gpus_per_replica
         if gpus is None:  # by default each replica reserves the GPUs its tensor-parallel ranks use
             gpus = float(args.tensor_parallel_size) if args.device == "cuda" else 0.0

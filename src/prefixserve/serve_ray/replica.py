@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import socket
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from starlette.types import Message
 
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 class EngineReplica:
-    async def __init__(self, args: argparse.Namespace, threads: int, board):
+    async def __init__(self, args: argparse.Namespace, threads: int, board):  # type: ignore[misc]  # Ray Serve awaits it
         import torch
         from ray import serve
 
@@ -55,7 +55,7 @@ class EngineReplica:
                             await self._metrics_text())
             try:
                 await self._board.report.remote(self.name, report)
-            except Exception as e:  # noqa: BLE001 - the board is gone at shutdown; keep serving
+            except Exception as e:  # the board is gone at shutdown; keep serving
                 log.warning("replica %s could not report: %r", self.name, e)
             await asyncio.sleep(REPORT_INTERVAL_S)
 

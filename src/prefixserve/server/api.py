@@ -107,6 +107,6 @@ def _add_ops_routes(app: FastAPI, engine: AsyncEngine, cfg: ServerConfig, metric
         return Response(body, media_type=content_type)
 
 
-async def _client_gone(request: Request, e: ClientGone) -> Response:
+async def _client_gone(request: Request, e: Exception) -> Response:  # e: ClientGone (its handler)
     log.info("client disconnected; request %s aborted", e)
     return Response(status_code=499)  # nginx's "client closed request": nobody reads it

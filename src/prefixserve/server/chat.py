@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import jinja2
 from fastapi import Request
@@ -45,7 +45,7 @@ def render_prompt(tokenizer, messages: list[dict[str, str]], add_generation_prom
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except jinja2.TemplateError as e:
-        raise APIError(400, f"the chat template refused these messages: {e}", "messages")
+        raise APIError(400, f"the chat template refused these messages: {e}", "messages") from e
 
 
 def system_prefix_ids(tokenizer, system_prompt: str | list[dict[str, str]]) -> list[int]:
@@ -59,7 +59,7 @@ def system_prefix_ids(tokenizer, system_prompt: str | list[dict[str, str]]) -> l
         return tokenizer.encode(render_prompt(tokenizer, messages, add_generation_prompt=bool(user)),
                                 add_special_tokens=False)
     a, b = ids("a"), ids("b")
-    shared = a[:next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))]
+    shared = a[:next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))]
     alone = ids()
     return alone if alone and shared[:len(alone)] == alone else shared
 
@@ -95,7 +95,9 @@ class _Render:
         if logprobs is None:
             return None
         content = []
-        for token, entry in zip(token_ids, logprobs):
+        # not strict: logprobs may be the sequence's live list (Request.output does not copy it),
+        # a step ahead of token_ids when the engine thread has appended since
+        for token, entry in zip(token_ids, logprobs, strict=False):
             top = sorted(entry.values(), key=lambda lp: lp.rank)[:self.top]
             content.append({**_entry(entry[token]), "top_logprobs": [_entry(lp) for lp in top]})
         return {"content": content, "refusal": None}

@@ -90,7 +90,7 @@ def build_app(args: argparse.Namespace):
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
     if args.served_model_name is None:
         cfg = dataclasses.replace(cfg, served_model_name=engine.model_name)
-    for path, text in zip(args.pin_system_prompt, pins):
+    for path, text in zip(args.pin_system_prompt, pins, strict=True):
         _pin(engine, path, text)
     metrics = Metrics(cfg.served_model_name, engine.backend.name, cfg.tenants.names)
     async_engine = AsyncEngine(engine, observer=metrics)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -10,8 +10,7 @@ from fastapi.responses import JSONResponse
 from ..engine.async_engine import RequestStream
 from ..engine.request import RequestOutput
 from .errors import APIError
-from .generation import (Delta, DeltaTracker, Generation, ServerState, logprob_value, parse_body, request_params,
-                         usage)
+from .generation import Delta, DeltaTracker, Generation, ServerState, logprob_value, parse_body, request_params, usage
 from .protocol import CompletionRequest
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's, for completions
@@ -73,8 +72,10 @@ class _Render:
 def _logprobs(token_ids: list[int], logprobs: list[dict], offset: int) -> tuple[dict, int]:
     """OpenAI's legacy shape; `text_offset` counts characters of the decoded tokens from the
     start of the completion. Returns it and the offset after its last token."""
-    result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token, entry in zip(token_ids, logprobs):
+    result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    # not strict: logprobs may be the sequence's live list (Request.output does not copy it),
+    # a step ahead of token_ids when the engine thread has appended since
+    for token, entry in zip(token_ids, logprobs, strict=False):
         text = entry[token].decoded_token or ""
         result["tokens"].append(text)
         result["token_logprobs"].append(logprob_value(entry[token]))

@@ -17,7 +17,8 @@ import json
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Callable, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -53,11 +54,11 @@ async def parse_body(request: Request, model: type[M]) -> M:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise APIError(400, f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})")
+        raise APIError(400, f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})") from e
     try:
         return model.model_validate_json(text)
     except ValidationError as e:
-        raise from_validation_error(e)
+        raise from_validation_error(e) from e
 
 
 def request_params(state: ServerState, req: SamplingFields, max_tokens: tuple[int | None, str],
@@ -68,17 +69,17 @@ def request_params(state: ServerState, req: SamplingFields, max_tokens: tuple[in
         raise APIError(404, f"the model `{req.model}` does not exist; this server serves "
                        f"`{state.cfg.served_model_name}`", "model", "model_not_found")
     _check_limits(state.cfg.limits, req, max_tokens, logprobs)
-    optional = dict(n=req.n, temperature=req.temperature, top_p=req.top_p, seed=req.seed, stop=req.stop,
-                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                    top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
-                    min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs[0],
-                    stop_token_ids=req.stop_token_ids, include_stop_str_in_output=req.include_stop_str_in_output,
-                    skip_special_tokens=req.skip_special_tokens)
+    optional: dict[str, Any] = dict(n=req.n, temperature=req.temperature, top_p=req.top_p, seed=req.seed, stop=req.stop,
+                                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                    top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                                    min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs[0],
+                                    stop_token_ids=req.stop_token_ids, include_stop_str_in_output=req.include_stop_str_in_output,
+                                    skip_special_tokens=req.skip_special_tokens)
     try:  # a field left None takes SamplingParams' default; max_tokens None: see fit_max_tokens
         return SamplingParams(max_tokens=max_tokens[0], **{k: v for k, v in optional.items() if v is not None})
     except ValueError as e:
         name = str(e).split(" ", 1)[0]
-        raise APIError(400, str(e), name if name in _PARAM_NAMES else None)
+        raise APIError(400, str(e), name if name in _PARAM_NAMES else None) from e
 
 
 def _check_limits(limits: ServerLimits, req: SamplingFields, max_tokens: tuple[int | None, str],
@@ -120,7 +121,7 @@ class Generation:
         self._closed = False
 
     async def start(self, prompt_ids: Callable[[], list[int]], params: SamplingParams, request: Request,
-                    cache_salt: str | None) -> "Generation":
+                    cache_salt: str | None) -> Generation:
         """Tokenize (off the event loop) and hand the request to the engine, in the partition of
         its key's tenant and its cache_salt (server/tenancy.py). Closes on failure."""
         try:
@@ -130,10 +131,10 @@ class Generation:
                                                               cache_salt or "")
         except ValueError as e:
             self.close()
-            raise APIError(400, str(e))
+            raise APIError(400, str(e)) from e
         except EngineDeadError as e:
             self.close()
-            raise APIError(503, str(e), None, "engine_unavailable")
+            raise APIError(503, str(e), None, "engine_unavailable") from e
         except BaseException:
             self.close()
             raise
@@ -184,7 +185,7 @@ def _engine_result(task: asyncio.Future) -> RequestOutput:
     try:
         return task.result()
     except (RequestAborted, EngineDeadError, RequestFailed) as e:
-        raise APIError(*_stopped(e))
+        raise APIError(*_stopped(e)) from e
 
 
 def _stopped(e: Exception) -> tuple[int, str, None, str]:
@@ -196,8 +197,8 @@ def _stopped(e: Exception) -> tuple[int, str, None, str]:
 
 async def _last(stream: RequestStream) -> RequestOutput:
     out = None
-    async for out in stream:
-        pass
+    async for item in stream:
+        out = item
     return out
 
 
@@ -234,7 +235,7 @@ class DeltaTracker:
     have. Held back this way, the streamed text always equals the non-streamed text."""
 
     def __init__(self, n: int, params: SamplingParams):
-        self.hold = max((len(s) for s in params.stop), default=1) - 1
+        self.hold = max((len(s) for s in params.stop or ()), default=1) - 1
         self.text_sent, self.tokens_sent = [0] * n, [0] * n
         self.done = [False] * n
 

@@ -17,7 +17,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
+from typing import Literal
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -83,7 +84,7 @@ class BodyLimitMiddleware:
         if body is not False:
             await self.app(scope, _replay(body, receive), send)
 
-    async def _read(self, receive: Receive) -> bytes | None | bool:
+    async def _read(self, receive: Receive) -> bytes | Literal[False] | None:
         """The whole body; None: over the limit; False: the client left before sending it."""
         chunks, size = [], 0
         while True:

@@ -39,12 +39,12 @@ def add_prefix_routes(app: FastAPI, state: ServerState) -> None:
             pin = await state.engine.pin(f"prefix-{uuid.uuid4().hex}", ids, tenant=tenant, public=req.public,
                                          cache_salt=req.cache_salt or "", ttl=req.ttl_seconds)
         except ValueError as e:
-            raise APIError(400, str(e), None, "pin_refused")
+            raise APIError(400, str(e), None, "pin_refused") from e
         except EngineDeadError as e:
-            raise APIError(503, str(e), None, "engine_unavailable")
+            raise APIError(503, str(e), None, "engine_unavailable") from e
         except RequestFailed as e:
             raise APIError(500, f"{e}; nothing was pinned and the server is still serving: retry", None,
-                           "internal_error")
+                           "internal_error") from e
         return pin
 
     @app.get("/v1/prefixes")
@@ -58,7 +58,7 @@ def add_prefix_routes(app: FastAPI, state: ServerState) -> None:
         try:
             pin = await state.engine.unpin(pin_id, owner)
         except ValueError as e:
-            raise APIError(404, str(e), None, "prefix_not_found")
+            raise APIError(404, str(e), None, "prefix_not_found") from e
         return {"id": pin["id"], "object": "prefix.deleted", "deleted": True}
 
 

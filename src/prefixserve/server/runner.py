@@ -56,7 +56,9 @@ class DrainingServer(uvicorn.Server):
 
 def run(app: FastAPI, engine: AsyncEngine, sock: socket.socket, drain_timeout: float) -> int:
     """Serve on `sock` (bound before the model loaded) until a signal or the engine's death."""
-    config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=drain_timeout + CANCEL_AFTER_ABORT_S)
+    # uvicorn annotates the timeout int but hands it to asyncio.wait_for, which takes a float
+    config = uvicorn.Config(app, log_config=None,
+                            timeout_graceful_shutdown=drain_timeout + CANCEL_AFTER_ABORT_S)  # type: ignore[arg-type]
     server = DrainingServer(config, engine, drain_timeout)
     server.run(sockets=[sock])
     if engine.failure is not None:

@@ -111,7 +111,7 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     key_bounds = key_indptr[item_kv_indptr.long()].tolist()  # [I+1]: item -> key range
     o = q.new_zeros((num_out_rows, *q.shape[1:]), dtype=torch.float32)
     lse = q.new_full((num_out_rows, q.shape[1]), NEG_INF, dtype=torch.float32)
-    items = zip(item_q_start.tolist(), item_q_len.tolist(), item_out_start.tolist())
+    items = zip(item_q_start.tolist(), item_q_len.tolist(), item_out_start.tolist(), strict=True)
     for i, (qs, n, out) in enumerate(items):
         keys = slots[key_bounds[i]:key_bounds[i + 1]]
         k, v, pos = flat_k[keys], flat_v[keys], k_pos[key_bounds[i]:key_bounds[i + 1]]

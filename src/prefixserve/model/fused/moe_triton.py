@@ -26,7 +26,7 @@ from .triton import _DTYPES, _exp, _round, _rounded
 
 @triton.jit
 def _up_kernel(x, w13, h, pair_ids, block_expert, stride_x, stride_we, stride_wn, stride_h,
-               num_pairs, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+               num_pairs, K: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     b = tl.program_id(0)
@@ -35,7 +35,7 @@ def _up_kernel(x, w13, h, pair_ids, block_expert, stride_x, stride_we, stride_wn
         pair = tl.load(pair_ids + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         ok = pair < num_pairs
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < I
+        col_ok = cols < INTER
         x_rows = x + (pair // K)[:, None] * stride_x
         w_gate = w13 + e * stride_we + cols[None, :] * stride_wn
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -45,7 +45,7 @@ def _up_kernel(x, w13, h, pair_ids, block_expert, stride_x, stride_we, stride_wn
             xt = tl.load(x_rows + kk[None, :], mask=ok[:, None] & (kk < H)[None, :], other=0.0)
             w_ok = (kk < H)[:, None] & col_ok[None, :]
             wg = tl.load(w_gate + kk[:, None], mask=w_ok, other=0.0)
-            wu = tl.load(w_gate + I * stride_wn + kk[:, None], mask=w_ok, other=0.0)
+            wu = tl.load(w_gate + INTER * stride_wn + kk[:, None], mask=w_ok, other=0.0)
             if DOT_FP32:
                 xt, wg, wu = xt.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
             acc_g = tl.dot(xt, wg, acc_g, input_precision=PRECISION)
@@ -59,7 +59,7 @@ def _up_kernel(x, w13, h, pair_ids, block_expert, stride_x, stride_we, stride_wn
 
 @triton.jit
 def _down_kernel(h, w2, y, weights, pair_ids, block_expert, stride_h, stride_we, stride_wn,
-                 stride_y, num_pairs, H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
+                 stride_y, num_pairs, H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                  DOT_FP32: tl.constexpr):
     b = tl.program_id(0)
@@ -70,12 +70,12 @@ def _down_kernel(h, w2, y, weights, pair_ids, block_expert, stride_h, stride_we,
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < H
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
+        for k0 in range(0, INTER, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             ht = tl.load(h + pair[:, None] * stride_h + kk[None, :],
-                         mask=ok[:, None] & (kk < I)[None, :], other=0.0)
+                         mask=ok[:, None] & (kk < INTER)[None, :], other=0.0)
             wt = tl.load(w2 + e * stride_we + cols[None, :] * stride_wn + kk[:, None],
-                         mask=(kk < I)[:, None] & col_ok[None, :], other=0.0)
+                         mask=(kk < INTER)[:, None] & col_ok[None, :], other=0.0)
             if DOT_FP32:
                 ht, wt = ht.to(tl.float32), wt.to(tl.float32)
             acc = tl.dot(ht, wt, acc, input_precision=PRECISION)
@@ -115,9 +115,9 @@ def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     common = dict(BLOCK_M=block_m, BLOCK_K=64, PRECISION=precision, DOT_FP32=dot_fp32)
     _up_kernel[(blocks, triton.cdiv(inter, 64))](
         x, w13, h, pair_ids, block_expert, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        pairs, K=k, H=hidden, I=inter, BLOCK_N=64, **common, enable_fp_fusion=False)
+        pairs, K=k, H=hidden, INTER=inter, BLOCK_N=64, **common, enable_fp_fusion=False)
     _down_kernel[(blocks, triton.cdiv(hidden, 64))](
         h, w2, y, topk_weights.contiguous().view(-1), pair_ids, block_expert, h.stride(0),
-        w2.stride(0), w2.stride(1), y.stride(0), pairs, H=hidden, I=inter, BLOCK_N=64, **common,
+        w2.stride(0), w2.stride(1), y.stride(0), pairs, H=hidden, INTER=inter, BLOCK_N=64, **common,
         enable_fp_fusion=False)
     return y

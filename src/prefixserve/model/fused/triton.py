@@ -178,15 +178,15 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 
 @triton.jit
-def _silu_mul_kernel(out, gate_up, stride_g, stride_o, I: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(out, gate_up, stride_g, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):
     # Program (t, b): columns [b * BLOCK, (b + 1) * BLOCK) of row t. silu(g) = g / (1 + exp(-g))
     # in fp32 (correctly rounded division, as torch's), rounded; then times up, rounded.
     t = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < I
+    mask = i < INTER
     dtype = out.dtype.element_ty
     g = tl.load(gate_up + t * stride_g + i, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_up + t * stride_g + I + i, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up + t * stride_g + INTER + i, mask=mask, other=0.0).to(tl.float32)
     silu = _rounded(tl.math.div_rn(g, 1.0 + _exp(-g)), dtype)
     tl.store(out + t * stride_o + i, _round(silu * up, dtype), mask=mask)
 
@@ -201,6 +201,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(triton.next_power_of_2(size), 1024)
     _silu_mul_kernel[(num_tokens, triton.cdiv(size, block))](
-        out, gate_up, gate_up.stride(0), out.stride(0), I=size, BLOCK=block,
+        out, gate_up, gate_up.stride(0), out.stride(0), INTER=size, BLOCK=block,
         num_warps=_num_warps(block), enable_fp_fusion=False)
     return out

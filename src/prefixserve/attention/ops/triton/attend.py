@@ -355,7 +355,7 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     dev = lambda a: torch.from_numpy(np.asarray(a, np.int32)).to(q.device)  # noqa: E731
     launches = tuple(Launch(dev(u), dev([len(u)]), cfg, causal,
                             grid_size(len(u), hkv, cfg, sms, fixed=False))
-                     for u, cfg, causal in zip((wl.narrow, wl.wide), configs, wl.causal))
+                     for u, cfg, causal in zip((wl.narrow, wl.wide), configs, wl.causal, strict=True))
     o = torch.zeros((num_out_rows, hq, d), dtype=torch.float32, device=q.device)
     lse = torch.full((num_out_rows, hq), float("-inf"), dtype=torch.float32, device=q.device)
     idx = (kv_chunk, kv_lo, kv_hi, kv_pos)

@@ -74,10 +74,10 @@ class TritonKernels:
             if (wl.stores, *stores) != self._padded_stores:
                 self._padded_stores = (wl.stores, *stores)
                 self.generation += 1
-        shapes = {f"{c}_{k}": getattr(cfg, k) for c, cfg in zip(("narrow", "wide"), configs)
+        shapes = {f"{c}_{k}": getattr(cfg, k) for c, cfg in zip(("narrow", "wide"), configs, strict=True)
                   for k in _SHAPE_KEYS}
         grids = {f"{c}_programs": grid_size(len(u), s.num_kv_heads, cfg, self.sms, padded)
-                 for c, u, cfg in zip(("narrow", "wide"), (wl.narrow, wl.wide), configs)}
+                 for c, u, cfg in zip(("narrow", "wide"), (wl.narrow, wl.wide), configs, strict=True)}
         if self.group > NARROW_ROWS:  # one row's G heads exceed a narrow tile: never a narrow unit
             grids["narrow_programs"] = 0
         return {"narrow": _addressable(wl.narrow), "wide": _addressable(wl.wide),

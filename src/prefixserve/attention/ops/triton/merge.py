@@ -5,8 +5,8 @@ maximum (the online form of the reference's two-pass merge; equal up to rounding
 4 partials at a time as one [4, BLOCK_H, D] tile ran 1.3-4x slower on an H200 (the sum over
 partials crosses warps), so rows keep their partials few (see worklist's split floor):
 
-    m' = max(m, lse_i);  acc = acc * e^(m - m') + e^(lse_i - m') * o_i;  l = l * e^(m - m') + e^(lse_i - m')
-    o = acc / l,  lse = m + ln l;  -inf partials weigh 0; no finite partial: (0, -inf)
+    m' = max(m, lse_i);  acc = acc * e^(m - m') + e^(lse_i - m') * o_i;  denom = denom * e^(m - m') + e^(lse_i - m')
+    o = acc / denom,  lse = m + ln denom;  -inf partials weigh 0; no finite partial: (0, -inf)
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _merge_kernel(o_parts, lse_parts, indptr, parts, o, lse,
     start = tl.load(indptr + r)
     end = tl.load(indptr + r + 1)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
+    denom = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for i in range(start, end):
         p = tl.load(parts + i).to(tl.int64)
@@ -43,14 +43,14 @@ def _merge_kernel(o_parts, lse_parts, indptr, parts, o, lse,
         alpha = tl.exp(m - m_safe)
         w = tl.exp(lse_i - m_safe)
         acc = acc * alpha[:, None] + w[:, None] * o_i
-        l = l * alpha + w
+        denom = denom * alpha + w
         m = m_new
-    seen = l > 0.0
-    out = acc / tl.where(seen, l, 1.0)[:, None]
+    seen = denom > 0.0
+    out = acc / tl.where(seen, denom, 1.0)[:, None]
     tl.store(o + r.to(tl.int64) * stride_ot + hs[:, None] * stride_oh + d[None, :],
              out.to(o.dtype.element_ty), mask=tile_ok)
     if WRITE_LSE:
-        lse_r = tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf"))
+        lse_r = tl.where(seen, m + tl.log(tl.where(seen, denom, 1.0)), float("-inf"))
         tl.store(lse + r.to(tl.int64) * stride_lt + hs, lse_r, mask=h_ok)
 
 

@@ -240,7 +240,7 @@ def mark_stores(units: list[np.ndarray], q_start, q_len, kv_chunk, q_pos, kv_pos
         last = u[:, 3] - 1
         end = kv_pos[last] + kv_hi[last] - kv_lo[last] - 1  # position of the unit's last key
         own.append((u[:, 1] == 1) & (end == q_pos[u[:, 0]]))
-    rows = np.concatenate([u[o, 0] for u, o in zip(units, own)])
+    rows = np.concatenate([u[o, 0] for u, o in zip(units, own, strict=True)])
     covered = np.zeros(len(q_pos), bool)
     covered[np.repeat(q_start, q_len) + np.arange(int(q_len.sum()))
             - np.repeat(_csr(q_len)[:-1], q_len)] = True
@@ -249,7 +249,7 @@ def mark_stores(units: list[np.ndarray], q_start, q_len, kv_chunk, q_pos, kv_pos
     # the new keys (chunk, offset), by chunk; every (entry, new key in its chunk) pair, over
     # the entries of chunks that hold a new key (a lookup: the plan's other entries, a
     # shared prefix listed once per row by Paged, cost no search)
-    key_entry = np.concatenate([u[o, 3] - 1 for u, o in zip(units, own)])
+    key_entry = np.concatenate([u[o, 3] - 1 for u, o in zip(units, own, strict=True)])
     key_entry = key_entry[np.argsort(kv_chunk[key_entry], kind="stable")]
     key_chunk, key_off = kv_chunk[key_entry], kv_hi[key_entry] - 1
     holds = np.zeros(int(kv_chunk.max(initial=0)) + 1, bool)
@@ -262,7 +262,7 @@ def mark_stores(units: list[np.ndarray], q_start, q_len, kv_chunk, q_pos, kv_pos
     reads = (kv_lo[entry] <= key_off[key]) & (key_off[key] < kv_hi[entry])
     if (reads & (entry != key_entry[key])).any():
         return False
-    for u, o in zip(units, own):
+    for u, o in zip(units, own, strict=True):
         u[o, 5] = u[o, 0]
     return True
 
