@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import pathlib
+from typing import Any
 
 import torch
 
@@ -45,33 +47,37 @@ from .timing import ceilings, max_err, time_call
 PROG = "prefixserve bench kernels"
 
 
-def measure_backends(row: Row, device: torch.device) -> tuple[dict, torch.Tensor]:
+def measure_backends(row: Row, device: torch.device) -> tuple[dict[str, dict[str, Any]], torch.Tensor]:
     """Every backend's planned run() timed, its error vs paged (the first), and for the exact
     schedules the cost model's prediction; returns the entries and paged's output."""
     from ...attention import create_backend
+    from ...attention.backends.auto import AutoBackend
     from ...attention.cost import CostModel, schedule_cost
     from ...attention.schedule import SCHEDULES
     model = CostModel.for_device(device)
-    entries, ref = {}, None
+    entries: dict[str, dict[str, Any]] = {}
+    ref: torch.Tensor | None = None
     for name in BACKENDS:
         be = create_backend(name, row.shape)
         be.plan(row.batch)
-        fn = lambda: be.run(row.q, row.k, row.v, row.k_cache, row.v_cache)  # noqa: E731
+        fn = functools.partial(be.run, row.q, row.k, row.v, row.k_cache, row.v_cache)
         out = fn()
         ref = out if ref is None else ref
         entry = {**time_call(fn, device), "max_err_vs_paged": max_err(out, ref, row.v_cache)}
         if name == "auto":
+            assert isinstance(be, AutoBackend), "the registry's `auto` is AutoBackend"
             entry["chose"] = be.chosen
         else:
             cost = schedule_cost(SCHEDULES[name](row.batch), row.shape)
             entry["cost"] = dataclasses.asdict(cost)
             entry["model_us"] = 1e6 * model.time(cost)
         entries[name] = entry
-        del be, out
+        del be, fn, out  # this backend's buffers go before the next one is built
+    assert ref is not None, "BACKENDS is not empty"
     return entries, ref
 
 
-def measure_row(row: Row, ceil: dict, device: torch.device) -> dict:
+def measure_row(row: Row, ceil: dict[str, float], device: torch.device) -> dict[str, Any]:
     res = {"grid": row.w.grid, "label": row.w.label, **dataclasses.asdict(row.w),
            **limit(row.w, ceil["copy_bandwidth"], ceil["matrix_rate"])}
     res["backends"], ref = measure_backends(row, device)
@@ -103,7 +109,7 @@ def main(args) -> int:
     ceil = ceilings(device, DTYPES[args.dtype])
     print(f"{name}: copy {ceil['copy_bandwidth'] / 1e12:.2f} TB/s, {args.dtype} matmul "
           f"{ceil['matrix_rate'] / 1e12:.0f} TFLOP/s", flush=True)
-    result = {"device": name, "torch": torch.__version__, "ceilings": ceil, "rows": []}
+    result: dict[str, Any] = {"device": name, "torch": torch.__version__, "ceilings": ceil, "rows": []}
     for w in rows_w:
         row = build(w, device)
         result["rows"].append(measure_row(row, ceil, device))

@@ -22,16 +22,22 @@ FlashInfer is optional: imported here only, and set up by benchmarks/flashinfer-
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from .rows import Row
 from .timing import measure_call
 
+if TYPE_CHECKING:
+    from ...attention.base import AttentionBatch, Segment
+
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (split-K partials); 128 MB advised
 NAMES = ("flashinfer-decode", "flashinfer-cascade")
 
 
-def nodes_by_depth(batch) -> list[list[tuple[int, int, object]]]:
+def nodes_by_depth(batch: AttentionBatch) -> list[list[tuple[int, int, Segment]]]:
     """[depth][node]: (first sequence, end sequence, Segment) of each tree node at that depth,
     in batch order. The batch is depth-first, so a node's sequences are contiguous:
 
@@ -43,7 +49,7 @@ def nodes_by_depth(batch) -> list[list[tuple[int, int, object]]]:
     assert all(len(s.segments) == depth for s in batch.seqs), "every path of a row has one depth"
     levels = []
     for d in range(depth):
-        nodes: list[tuple[int, int, object]] = []
+        nodes: list[tuple[int, int, Segment]] = []
         for i, s in enumerate(batch.seqs):
             seg = s.segments[d]
             if nodes and nodes[-1][2].node_id == seg.node_id:
@@ -54,10 +60,13 @@ def nodes_by_depth(batch) -> list[list[tuple[int, int, object]]]:
     return levels
 
 
-def page_table(paths, chunk_size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def page_table(paths: Sequence[Sequence[Segment]], chunk_size: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashInfer's paged-KV arrays (int32) for requests whose keys are the concatenated
     segments of each path: indptr [n + 1], indices [pages], last_page_len [n] in 1..C."""
-    indptr, indices, last = [0], [], []
+    indptr: list[int] = [0]
+    indices: list[int] = []
+    last: list[int] = []
     for path in paths:
         for j, seg in enumerate(path):
             pages = -(-seg.length // chunk_size)
@@ -73,22 +82,22 @@ def page_table(paths, chunk_size: int, device) -> tuple[torch.Tensor, torch.Tens
     return as_i32(indptr), as_i32(indices), as_i32(last)
 
 
-def decode_tables(batch, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def decode_tables(batch: AttentionBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One request per sequence, its pages the chunks of its whole path."""
     return page_table([s.segments for s in batch.seqs], batch.chunk_size, device)
 
 
-def cascade_tables(batch, device) -> list[tuple[torch.Tensor, ...]]:
+def cascade_tables(batch: AttentionBatch, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
     """Per tree depth: (qo_indptr, indptr, indices, last_page_len); a node's queries are the
     rows of the sequences below it."""
-    levels = []
+    levels: list[tuple[torch.Tensor, ...]] = []
     for nodes in nodes_by_depth(batch):
         qo = torch.tensor([0] + [end for _, end, _ in nodes], dtype=torch.int32, device=device)
         levels.append((qo, *page_table([(seg,) for _, _, seg in nodes], batch.chunk_size, device)))
     return levels
 
 
-def _plan_args(row: Row) -> dict:
+def _plan_args(row: Row) -> dict[str, Any]:
     return {"sm_scale": row.shape.scale, "q_data_type": row.q.dtype, "kv_data_type": row.k_cache.dtype}
 
 
@@ -107,18 +116,19 @@ def cascade_peer(fi, row: Row, ws: torch.Tensor):
     w, c = row.w, row.batch.chunk_size
     levels = cascade_tables(row.batch, row.q.device)
     wrapper = fi.MultiLevelCascadeAttentionWrapper(len(levels), ws, "NHD")
-    qo, indptr, indices, last = (list(x) for x in zip(*levels))
+    qo, indptr, indices, last = (list(x) for x in zip(*levels, strict=True))
     wrapper.plan(qo, indptr, indices, last, w.heads, w.kv_heads, w.head_dim, c, **_plan_args(row))
     kv = (row.k_cache, row.v_cache)
     return lambda: wrapper.run(row.q, kv)
 
 
-def _attempt(make, device, ref, v_cache) -> dict:
+def _attempt(make: Callable[[], Callable[[], torch.Tensor]], device: torch.device, ref: torch.Tensor,
+             v_cache: torch.Tensor) -> dict[str, Any]:
     """Plan (make()) and measure one FlashInfer call; any failure -- a JIT build, an unsupported
     dtype, a page table FlashInfer cannot express -- is recorded, not raised."""
     try:
         return measure_call(make(), device, ref, v_cache)
-    except Exception as e:  # noqa: BLE001  (an optional library's failures are many; recorded)
+    except Exception as e:  # an optional library's failures are many: recorded
         return {"error": f"{type(e).__name__}: " + str(e).split("\n")[0][:200]}
 
 
@@ -138,7 +148,7 @@ def flashinfer_peers(row: Row, device: torch.device, ref: torch.Tensor) -> dict:
         return {n: {"error": f"FlashInfer runs on CUDA only (device {device.type})"} for n in NAMES}
     try:
         import flashinfer as fi
-    except Exception as e:  # noqa: BLE001  (ImportError, or a failure inside its imports)
+    except Exception as e:  # ImportError, or a failure inside its imports
         why = f"import flashinfer failed ({type(e).__name__}: {str(e)[:160]}); see benchmarks/flashinfer-setup.sh"
         return {n: {"error": why} for n in NAMES}
     ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)

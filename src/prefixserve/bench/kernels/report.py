@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+from typing import Any
 
 from .peers import ALL_PEERS, PEERS
 
@@ -23,7 +24,7 @@ def finish_row(res: dict) -> None:
     counted peer of each peer set."""
     lim = res["limit_us"]
     exact = {k: v["us"] for k, v in res["backends"].items() if k != "auto"}
-    best = min(exact, key=exact.get)
+    best = min(exact, key=exact.__getitem__)
     for v in [*res["backends"].values(), *res["peers"].values()]:
         if "us" in v:
             v["ratio_to_limit"] = v["us"] / lim
@@ -33,7 +34,7 @@ def finish_row(res: dict) -> None:
     for suffix, names in PEER_SETS.items():
         peers = {k: res["peers"][k]["us"] for k in names if res["peers"].get(k, {}).get("counted")}
         if peers:
-            p = min(peers, key=peers.get)
+            p = min(peers, key=peers.__getitem__)
             res["best_peer" + suffix], res["best_peer_us" + suffix] = p, peers[p]
             res["speedup_vs_best_peer" + suffix] = peers[p] / exact[best]
 
@@ -45,7 +46,7 @@ def _geomean(xs: list[float]) -> float | None:
 def grid_stats(rows: list[dict]) -> dict:
     """One grid's rows: geomean ratio to the limit, rows slower than the best peer, the smallest
     speedup over it, rows with no counted peer -- for each peer set."""
-    s = {"rows": len(rows), "geomean_ratio_to_limit": _geomean([r["ratio_to_limit"] for r in rows])}
+    s: dict[str, Any] = {"rows": len(rows), "geomean_ratio_to_limit": _geomean([r["ratio_to_limit"] for r in rows])}
     for suffix in PEER_SETS:
         key = "speedup_vs_best_peer" + suffix
         s["rows_worse_than_best_peer" + suffix] = [r["label"] for r in rows if r.get(key, 1) < 1]
@@ -54,17 +55,22 @@ def grid_stats(rows: list[dict]) -> dict:
     return s
 
 
-def _bars(t3: dict | None, hy: dict | None, auto_max: float | None) -> dict:
+def _judged(g: dict[str, Any] | None, sfx: str) -> dict[str, Any] | None:
+    """A grid's stats where its peer bars can be judged (it ran, every row had a peer), else None."""
+    return g if g is not None and not g["rows_without_peer" + sfx] else None
+
+
+def _bars(t3: dict[str, Any] | None, hy: dict[str, Any] | None, auto_max: float | None) -> dict[str, bool | None]:
     """The issue's bars, and beside each peer bar the same bar against every peer."""
-    judged = lambda g, sfx: g is not None and not g["rows_without_peer" + sfx]  # noqa: E731
-    bars = {"table3_within_1.15x": t3 and t3["geomean_ratio_to_limit"] <= 1.15,
-            "hydragen_within_1.5x": hy and hy["geomean_ratio_to_limit"] <= 1.5,
-            "auto_within_5pct": None if auto_max is None else auto_max <= 1.05}
+    bars: dict[str, Any] = {"table3_within_1.15x": t3 and t3["geomean_ratio_to_limit"] <= 1.15,
+                            "hydragen_within_1.5x": hy and hy["geomean_ratio_to_limit"] <= 1.5,
+                            "auto_within_5pct": None if auto_max is None else auto_max <= 1.05}
     for sfx in PEER_SETS:
+        t3_j, hy_j = _judged(t3, sfx), _judged(hy, sfx)
         bars["table3_no_row_slower_than_best_peer" + sfx] = (
-            not t3["rows_worse_than_best_peer" + sfx] if judged(t3, sfx) else None)
+            None if t3_j is None else not t3_j["rows_worse_than_best_peer" + sfx])
         bars["hydragen_2x_vs_best_peer" + sfx] = (
-            hy["min_speedup_vs_best_peer" + sfx] >= 2 if judged(hy, sfx) else None)
+            None if hy_j is None else hy_j["min_speedup_vs_best_peer" + sfx] >= 2)
     return {k: (None if v is None else bool(v)) for k, v in bars.items()}
 
 
@@ -73,9 +79,9 @@ def summarize(rows: list[dict]) -> dict:
              for g in dict.fromkeys(r["grid"] for r in rows)}
     t3, hy = grids.get("table3"), grids.get("hydragen")
     get = lambda g, k: g[k] if g else None  # noqa: E731
-    s = {"peers": list(PEERS), "peers_incl_cudnn": list(ALL_PEERS),
-         "table3_geomean_ratio_to_limit": get(t3, "geomean_ratio_to_limit"),
-         "hydragen_geomean_ratio_to_limit": get(hy, "geomean_ratio_to_limit")}
+    s: dict[str, Any] = {"peers": list(PEERS), "peers_incl_cudnn": list(ALL_PEERS),
+                         "table3_geomean_ratio_to_limit": get(t3, "geomean_ratio_to_limit"),
+                         "hydragen_geomean_ratio_to_limit": get(hy, "geomean_ratio_to_limit")}
     for sfx in PEER_SETS:
         s["table3_rows_worse_than_best_peer" + sfx] = get(t3, "rows_worse_than_best_peer" + sfx)
         s["hydragen_min_speedup_vs_best_peer" + sfx] = get(hy, "min_speedup_vs_best_peer" + sfx)
@@ -118,7 +124,7 @@ def plot(rows: list[dict], path: pathlib.Path, device_name: str) -> None:
     fig, axes = plt.subplots(len(grids), 1, figsize=(16, 4.5 * len(grids)), squeeze=False)
     names = [*BACKENDS, *ALL_PEERS]
     width = 0.8 / len(names)
-    for ax, grid in zip(axes[:, 0], grids):
+    for ax, grid in zip(axes[:, 0], grids, strict=True):
         rs = [r for r in rows if r["grid"] == grid]
         for j, name in enumerate(names):
             entries = [r["backends"].get(name) or r["peers"].get(name) or {} for r in rs]

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # at run time the attention package is imported by build() only
+    from ...attention.base import AttentionBatch, AttentionShape
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -58,8 +62,8 @@ def hydragen_grid(dtype: str) -> list[Workload]:
 @dataclasses.dataclass
 class Row:
     w: Workload
-    shape: object  # AttentionShape
-    batch: object  # AttentionBatch: depth-first order, every path = shared levels + private tail
+    shape: AttentionShape
+    batch: AttentionBatch  # depth-first order, every path = shared levels + private tail
     q: torch.Tensor  # [b, Hq, D]
     k: torch.Tensor  # [b, Hkv, D]: the decoded token's key, written by the backends' run()
     v: torch.Tensor

@@ -7,6 +7,9 @@ launch_units, launch_worklist, merge_rows) and follows the executor when that ch
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 
 from .rows import Row, build, hydragen_grid, table3
@@ -20,7 +23,7 @@ SWEEP_WIDE = [(128, 64, 4, 2, 4), (128, 64, 4, 3, 4), (128, 64, 4, 2, 2), (64, 6
               (64, 64, 4, 2, 2), (128, 64, 8, 3, 2)]
 
 
-def sweep(dtype: str, device: torch.device) -> list[dict]:
+def sweep(dtype: str, device: torch.device) -> list[dict[str, Any]]:
     """Time launch shapes of each attend launch (narrow, wide) on a few telling rows, one
     schedule each, and split the default's time into its launches."""
     from ...attention.backends.hydragen import HydragenBackend
@@ -36,21 +39,21 @@ def sweep(dtype: str, device: torch.device) -> list[dict]:
         row = build(w, device)
         default = cls(row.shape, kernels=TritonKernels(row.shape))
         default.plan(row.batch)
+        assert default.current is not None, "plan() sets the current plan"
         x = default.current.extra
-        base = [TritonKernels.launch_config(x, c) for c in ("narrow", "wide")]
-        res = {"label": w.label, "grid": w.grid, "schedule": cls.name, "configs": [],
-               "split_us": _split_times(default, row, device)}
+        narrow, wide = (TritonKernels.launch_config(x, c) for c in ("narrow", "wide"))
+        res: dict[str, Any] = {"label": w.label, "grid": w.grid, "schedule": cls.name, "configs": [],
+                               "split_us": _split_times(default, row, device)}
         tries = ([(c, 0) for c in SWEEP_NARROW] if vary in ("narrow", "both") else []) + (
             [(c, 1) for c in SWEEP_WIDE] if vary in ("wide", "both") else [])
         for c, which in tries:
-            cfgs = list(base)
-            cfgs[which] = KernelConfig(*c)
+            cfgs = (KernelConfig(*c), wide) if which == 0 else (narrow, KernelConfig(*c))
             try:
-                be = cls(row.shape, kernels=TritonKernels(row.shape, configs=tuple(cfgs)))
+                be = cls(row.shape, kernels=TritonKernels(row.shape, configs=cfgs))
                 be.plan(row.batch)
-                t = timed(lambda: be.run(row.q, row.k, row.v, row.k_cache, row.v_cache), device)
+                t = timed(functools.partial(be.run, row.q, row.k, row.v, row.k_cache, row.v_cache), device)
                 res["configs"].append({"class": ("narrow", "wide")[which], "config": c, "us": 1e6 * t})
-            except Exception as e:  # noqa: BLE001  (out of shared memory, ...): recorded
+            except Exception as e:  # any failure (out of shared memory, ...) is recorded
                 res["configs"].append({"class": ("narrow", "wide")[which], "config": c,
                                        "error": str(e)[:160]})
         out.append(res)
@@ -82,12 +85,12 @@ def _split_times(be, row: Row, device: torch.device) -> dict:
     # the store launch alone (which a decode step's attend units replace: `stores`)
     times = {"store_kv": timed(lambda: store_kv(row.k_cache, row.v_cache, row.k, row.v,
                                                 p.slots), device)}
-    for name, la in zip(("narrow", "wide"), launches):
+    for name, la in zip(("narrow", "wide"), launches, strict=True):
         if la.programs:
-            times[name] = timed(lambda: launch_units(row.q, row.k_cache, row.v_cache, p.q_pos,
-                                                     la.units, la.count, *idx, row.shape.scale,
-                                                     o_s, lse_s, la.cfg, la.causal, la.programs,
-                                                     new_kv if la.stores else None),
+            times[name] = timed(functools.partial(launch_units, row.q, row.k_cache, row.v_cache, p.q_pos,
+                                                  la.units, la.count, *idx, row.shape.scale,
+                                                  o_s, lse_s, la.cfg, la.causal, la.programs,
+                                                  new_kv if la.stores else None),
                                 device)
             times[name + "_units"] = int(la.units.shape[0])
     times["both"] = timed(lambda: launch_worklist(row.q, row.k_cache, row.v_cache, p.q_pos,

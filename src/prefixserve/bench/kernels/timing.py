@@ -9,20 +9,23 @@ FlashInfer's plan()) happens before and is never timed. On a CPU the time is a w
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 ERR_TOL = 1e-2  # max |o - o_paged| / max |v| above which an output is wrong and not counted
 
 
-def timed(fn, device: torch.device, graph: bool = True) -> float:
+def timed(fn: Callable[[], object], device: torch.device, graph: bool = True) -> float:
     """Median seconds of fn(): CUDA-graph replays (or eager calls) under do_bench on CUDA;
     a wall clock on the CPU."""
     if device.type != "cuda":
         fn()
-        times = []
+        times: list[float] = []
         for _ in range(3):
             t0 = time.perf_counter()
             fn()
@@ -31,7 +34,7 @@ def timed(fn, device: torch.device, graph: bool = True) -> float:
     import triton.testing
     fn()
     torch.cuda.synchronize()
-    call = fn
+    call: Callable[[], object] = fn
     if graph:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -46,7 +49,7 @@ def timed(fn, device: torch.device, graph: bool = True) -> float:
     return ms * 1e-3
 
 
-def time_call(fn, device: torch.device) -> dict:
+def time_call(fn: Callable[[], object], device: torch.device) -> dict[str, Any]:
     """us (graph replay where fn can be captured, else eager), eager_us, and which of the two."""
     if device.type != "cuda":
         us = 1e6 * timed(fn, device)
@@ -65,8 +68,8 @@ def max_err(o: torch.Tensor, ref: torch.Tensor, v: torch.Tensor) -> float:
     return float((o.float() - ref.float()).abs().max() / v.float().abs().max())
 
 
-def measure_call(fn, device: torch.device, ref: torch.Tensor, v_cache: torch.Tensor,
-                 factor: float = 1.0) -> dict:
+def measure_call(fn: Callable[[], torch.Tensor], device: torch.device, ref: torch.Tensor, v_cache: torch.Tensor,
+                 factor: float = 1.0) -> dict[str, Any]:
     """Run fn once and check it against the paged backend's output `ref` (fn may compute a
     prefix of the batch's rows), then time it; times are multiplied by `factor` (a peer run on
     a fraction of the batch). `counted`: the output is right, so its time may be compared."""
@@ -77,15 +80,15 @@ def measure_call(fn, device: torch.device, ref: torch.Tensor, v_cache: torch.Ten
             "max_err_vs_paged": err, "counted": err <= ERR_TOL}
 
 
-def ceilings(device: torch.device, dtype: torch.dtype) -> dict:
+def ceilings(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     """Copy bandwidth (bytes read + written) and matrix rate, measured here on random data."""
     n_copy, n_mm = (1 << 30, 8192) if device.type == "cuda" else (1 << 24, 1024)
     src = torch.randn(n_copy // 2, device=device, dtype=torch.float16)
     dst = torch.empty_like(src)
-    t_copy = timed(lambda: dst.copy_(src), device, graph=False)
+    t_copy = timed(functools.partial(dst.copy_, src), device, graph=False)
     a, b = (torch.randn(n_mm, n_mm, device=device, dtype=dtype) for _ in range(2))
     c = torch.empty_like(a)
-    t_mm = timed(lambda: torch.mm(a, b, out=c), device, graph=False)
+    t_mm = timed(functools.partial(torch.mm, a, b, out=c), device, graph=False)
     del src, dst, a, b, c
     return {"copy_bandwidth": 2 * n_copy / t_copy, "matrix_rate": 2 * n_mm ** 3 / t_mm,
             "copy_bytes": n_copy, "matmul_n": n_mm}
