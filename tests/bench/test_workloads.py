@@ -86,8 +86,8 @@ def test_multi_tenant_distinct_system_prompts_interleaved(src):
     wl = W.multi_tenant(src, tenants=4, system_prompt_len=96, num_prompts=12, max_output_len=16)
     assert len(wl.prompts) == len(wl.tenants) == 12 and set(wl.tenants) == {0, 1, 2, 3}
     assert wl.tenants != tuple(sorted(wl.tenants)), "tenants arrive interleaved"
-    systems = {t: p[:96] for t, p in zip(wl.tenants, wl.prompts)}
-    for t, p in zip(wl.tenants, wl.prompts):
+    systems = {t: p[:96] for t, p in zip(wl.tenants, wl.prompts, strict=True)}
+    for t, p in zip(wl.tenants, wl.prompts, strict=True):
         assert p[:96] == systems[t] and len(p) > 96
     assert all(_common(systems[a], systems[b]) < 8 for a in systems for b in systems if a != b), \
         "tenants share no prefix beyond their first words"

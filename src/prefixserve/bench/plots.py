@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
-_STYLE = {
+_STYLE: dict[str, dict[str, Any]] = {  # matplotlib line keywords per config
     "paged-nocache": dict(color="0.45", marker="o"),
     "paged": dict(color="tab:blue", marker="s"),
     "relay": dict(color="tab:orange", marker="^"),
@@ -54,7 +55,7 @@ def plot_throughput(doc: dict, path: Path) -> None:
             for config in doc["configs"]:
                 pts = sorted((e[line["x"]], e[metric]) for e in entries if e["config"] == config and e[metric])
                 if pts:
-                    ax.plot(*zip(*pts), label=config, **_STYLE.get(config, {}))
+                    ax.plot(*zip(*pts, strict=True), label=config, **_STYLE.get(config, {}))
             fixed = ", ".join(f"{k}={v}" for k, v in line["fixed"].items())
             ax.set(xlabel=line["x"].replace("_", " ") + (f"  ({fixed})" if fixed else ""), ylabel=label)
             ax.set_xscale("log", base=2)
@@ -71,11 +72,11 @@ def _bars(plt, doc: dict, path: Path) -> None:
     entries = doc["results"]
     names = [e["config"] for e in entries]
     fig, axes = plt.subplots(1, len(_METRICS), figsize=(11, 4.2))
-    for ax, (metric, label) in zip(axes, _METRICS):
+    for ax, (metric, label) in zip(axes, _METRICS, strict=True):
         values = [e[metric] or 0 for e in entries]
         bars = ax.bar(names, values, color=[_STYLE.get(n, {}).get("color", "tab:gray") for n in names])
         base = next((e[metric] for e in entries if e["config"] == "paged-nocache"), None)
-        for bar, v in zip(bars, values):
+        for bar, v in zip(bars, values, strict=True):
             if base:
                 ax.annotate(f"{v / base:.2f}x", (bar.get_x() + bar.get_width() / 2, v), ha="center",
                             va="bottom", fontsize=8)
@@ -94,12 +95,12 @@ def plot_serving(doc: dict, path: Path) -> None:
     panels = (("output_tokens_per_s", "output tokens/s"), ("normalized_latency_mean_s", "normalized latency (s/token)"),
               ("ttft_p50_s", "TTFT p50 (s)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.2))
-    for ax, (metric, label) in zip(axes, panels):
+    for ax, (metric, label) in zip(axes, panels, strict=True):
         for config in doc["configs"]:
             pts = sorted((e["request_rate"], e[metric]) for e in doc["results"]  # "inf" (all at once) not drawn
                          if e["config"] == config and e.get(metric) is not None and _finite(e["request_rate"]))
             if pts:
-                ax.plot(*zip(*pts), label=config, **_STYLE.get(config, {}))
+                ax.plot(*zip(*pts, strict=True), label=config, **_STYLE.get(config, {}))
         if metric.startswith("normalized") and doc.get("latency_slo_s"):
             ax.axhline(doc["latency_slo_s"], color="0.3", linestyle=":", label="SLO")
         ax.set(xlabel="request rate (req/s)", ylabel=label)
@@ -124,14 +125,14 @@ def plot_multi_tenant(doc: dict, path: Path) -> None:
     rates = list(dict.fromkeys(e["request_rate"] for e in doc["results"]))
     width = 0.8 / len(rates)
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4.2))
-    for ax, (metric, name) in zip(axes, panels):
+    for ax, (metric, name) in zip(axes, panels, strict=True):
         for j, rate in enumerate(rates):
             rows = {e["label"]: e for e in doc["results"] if e["request_rate"] == rate}
             xs = [i + (j - (len(rates) - 1) / 2) * width for i in range(len(labels))]
             ax.bar(xs, [(rows[lb].get(metric) or 0) if lb in rows else 0 for lb in labels], width,
                    label=f"{rate:g} req/s" if _finite(rate) else "all at once")
             if metric == "cache_hit_ratio":
-                for x, lb in zip(xs, labels):
+                for x, lb in zip(xs, labels, strict=True):
                     if lb in rows:
                         ax.hlines(rows[lb]["ideal_cache_hit_ratio"], x - width / 2, x + width / 2, colors="0.2",
                                   linestyles=":")

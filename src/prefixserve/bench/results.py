@@ -26,8 +26,9 @@ import re
 import shlex
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "paged-nocache": {"attention_backend": "paged", "enable_prefix_caching": False},
@@ -179,10 +180,10 @@ def publish(doc: dict, path: Path, args: argparse.Namespace, prog: str,
     if partial:
         return path
     png = path.with_suffix(".png")
-    plotted = plot is not None and not getattr(args, "no_plot", False)
-    if plotted:
-        plot(doc, png)
-    print(f"wrote {path}" + (f" and {png.name}" if plotted else ""))
+    draw = None if getattr(args, "no_plot", False) else plot
+    if draw is not None:
+        draw(doc, png)
+    print(f"wrote {path}" + (f" and {png.name}" if draw is not None else ""))
     return path
 
 
@@ -243,7 +244,7 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str
         cells.append([_cell(row.get(k), spec) for _, k, spec in columns])
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
     for r in cells:
-        print("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))))
+        print("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True))))
 
 
 def _cell(value, spec: str) -> str:

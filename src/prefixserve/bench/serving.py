@@ -32,13 +32,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from . import results as R
 from . import workloads as W
-from .plots import plot_serving
 from .loadgen import poisson_run, summarize
+from .plots import plot_serving
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def _sweep(args, url: str, config: str, src: W.TokenSource, wl: W.Workload) -> l
     model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     sys_len, entries = wl.shared_prefix_len, []
     system = wl.prompts[0][:sys_len]
-    max_tokens = [p.max_tokens for p in wl.params]
+    max_tokens = wl.max_tokens
     for i, rate in enumerate(args.request_rate):
         session = src.encode(f"\nSession {i + 1}.")
         prompts = [p[:sys_len] + session + p[sys_len:] for p in wl.prompts]

@@ -21,8 +21,8 @@ import statistics
 
 from . import results as R
 from . import workloads as W
-from .plots import plot_multi_tenant
 from .loadgen import RequestRecord, poisson_run, summarize
+from .plots import plot_multi_tenant
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def _sweep(args, url: str, config: str, router: str | None, src: W.TokenSource) 
         wl = W.multi_tenant(src, args.tenants, args.system_prompt_len, args.num_prompts, args.max_output_len,
                             args.max_prompt_len, args.dataset_seed, run=i)
         records, duration = asyncio.run(poisson_run(
-            url, model, wl.prompts, [p.max_tokens for p in wl.params], rate, args.dataset_seed + i, headers,
+            url, model, wl.prompts, wl.max_tokens, rate, args.dataset_seed + i, headers,
             args.request_timeout, not args.no_progress, f"{label} @ {rate:g} req/s"))
         entries.append({"config": config, "router": router, "label": label, "request_rate": rate,
                         **summarize(records, duration), **tenant_stats(wl, records)})
@@ -68,8 +68,8 @@ def tenant_stats(wl: W.Workload, records: list[RequestRecord]) -> dict:
     """Cache hits against the ideal, over all requests (a failed one counts as a miss)."""
     prompt = sum(len(p) for p in wl.prompts)
     cached = sum(r.cached_tokens or 0 for r in records if r.ok)
-    spread = {}
-    for tenant, r in zip(wl.tenants, records):
+    spread: dict[int, set[str]] = {}  # tenant -> the replicas that answered it
+    for tenant, r in zip(wl.tenants, records, strict=True):
         if r.ok and r.replica is not None:
             spread.setdefault(tenant, set()).add(r.replica)
     ideal = W.ideal_cached_tokens(wl)

@@ -65,11 +65,20 @@ class Workload:
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(x) * p.n for x, p in zip(self.prompts, self.params))
+        return sum(len(x) * p.n for x, p in zip(self.prompts, self.params, strict=True))
+
+    @property
+    def max_tokens(self) -> list[int]:
+        """Each prompt's output length: every workload sets one (`_ignore_eos`)."""
+        caps = []
+        for p in self.params:
+            assert p.max_tokens is not None, f"{self.name}: a prompt without max_tokens"
+            caps.append(p.max_tokens)
+        return caps
 
     @property
     def output_tokens(self) -> int:
-        return sum(p.max_tokens * p.n for p in self.params)
+        return sum(n * p.n for n, p in zip(self.max_tokens, self.params, strict=True))
 
 
 class TokenSource:
@@ -161,7 +170,7 @@ def multi_tenant(src: TokenSource, tenants: int, system_prompt_len: int, num_pro
     rng = random.Random(f"{seed}:{run}")
     owner = list(range(tenants)) + [rng.randrange(tenants) for _ in range(num_prompts - tenants)]
     rng.shuffle(owner)  # every tenant has at least one request
-    prompts = [systems[t] + p[system_prompt_len:] for t, p in zip(owner, base.prompts)]
+    prompts = [systems[t] + p[system_prompt_len:] for t, p in zip(owner, base.prompts, strict=True)]
     settings = dict(base.settings, tenants=tenants, run=run)
     return Workload("multi-tenant", prompts, base.params, settings, system_prompt_len, tuple(owner))
 
@@ -178,7 +187,7 @@ def ideal_cached_tokens(wl: Workload) -> int:
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):  # the lengths may differ: the common prefix ends at the shorter
         if x != y:
             break
         n += 1
@@ -227,7 +236,8 @@ def long_doc(src: TokenSource, doc_len: int, questions: int, question_len: int, 
 def sweep_points(primary: tuple[str, list[int]], secondary: tuple[str, list[int]] | None = None) -> list[dict]:
     """Hydragen Fig. 3's two lines: `primary` swept at the first `secondary` value, then
     `secondary` swept at the largest `primary` value (duplicates dropped, order kept)."""
-    (a, avals), (b, bvals) = primary, secondary or (None, [None])
+    a, avals = primary
+    b, bvals = (None, [None]) if secondary is None else secondary  # no second axis: a None key, dropped below
     points = [{a: v, b: bvals[0]} for v in avals] + [{a: max(avals), b: v} for v in bvals]
     unique = []
     for p in points:
