@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 
 from ..base import AttentionBatch
-from ..registry import register_backend
 from ..cost import CostModel, schedule_cost
+from ..registry import register_backend
 from ..schedule import SCHEDULES, Schedule
 from .scheduled import ScheduledBackend
 

@@ -12,8 +12,8 @@ import torch
 
 from ...staging import Uploader
 from ..base import AttentionBackend, AttentionBatch
-from ..registry import register_backend
 from ..ops.reference import store_kv
+from ..registry import register_backend
 
 
 @register_backend("no-attention")
