@@ -85,7 +85,7 @@ class AttentionBatch:
     padded: PaddedRows | None = None  # replayed in a CUDA graph of padded.rows rows
     windowed: bool = False  # segments cut to a sliding window (window.py): keys may be skipped
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         assert not self.advance or not self.seqs, "an advanced batch names no sequences"
         assert self.padded is None or self.padded.rows >= self.num_tokens
 

@@ -44,12 +44,17 @@ import numpy as np
 import torch
 
 from ..staging import Uploader
-from .base import AttentionBatch
+from .base import AttentionBatch, PaddedRows, SeqQueries
 from .schedule import Schedule
 
 _FIELDS = ("slots", "q_pos", "item_q_start", "item_q_len", "item_out_start", "item_kv_indptr",
            "kv_chunk", "kv_lo", "kv_hi", "kv_pos", "row_indptr", "row_parts")
 _ENTRY_FIELDS = ("kv_chunk", "kv_lo", "kv_hi", "kv_pos")
+_MERGE_FIELDS = ("row_indptr", "row_parts")  # None when the schedule does not merge
+
+HostArrays = dict[str, np.ndarray | None]  # field -> host int64 array (None: a merge field, no merge)
+HostExtras = dict[str, np.ndarray | int | None]  # an executor's extras: arrays (synced) and ints
+DeviceExtras = dict[str, torch.Tensor | int | None]  # the same on the device (`DevicePlan.extra`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +75,18 @@ class DevicePlan:
     row_parts: torch.Tensor | None  # [P'] int32
     num_out_rows: int  # P, partial rows the items write
     padded: bool  # a CUDA-graph step (fixed launch shapes; see ops.triton.kernels)
-    extra: dict = dataclasses.field(default_factory=dict)  # the executor's (see `extend`)
+    extra: DeviceExtras = dataclasses.field(default_factory=dict)  # the executor's (see `extend`)
 
     @property
     def needs_merge(self) -> bool:
         return self.row_indptr is not None
+
+
+def required(a: HostArrays, name: str) -> np.ndarray:
+    """a[name], a field that every plan has (any but the merge fields)."""
+    arr = a[name]
+    assert arr is not None, f"{name} is None"
+    return arr
 
 
 def _csr(counts: list[int] | np.ndarray) -> np.ndarray:
@@ -125,25 +137,25 @@ def _merge_csr(q_start: np.ndarray, q_len: np.ndarray, num_rows: int) -> dict[st
             "row_parts": np.argsort(part_row, kind="stable")}
 
 
-def _pad_rows(arrays: dict, batch: AttentionBatch) -> None:
+def _pad_rows(arrays: HostArrays, batch: AttentionBatch) -> None:
     """Extend the per-row arrays of a padded batch to its graph's rows (in place)."""
     if batch.padded is None:
         return
     extra = batch.padded.rows - batch.num_tokens
-    arrays["q_pos"] = np.concatenate([arrays["q_pos"], np.zeros(extra, np.int64)])
-    arrays["slots"] = np.concatenate([arrays["slots"],
+    arrays["q_pos"] = np.concatenate([required(arrays, "q_pos"), np.zeros(extra, np.int64)])
+    arrays["slots"] = np.concatenate([required(arrays, "slots"),
                                       np.full(extra, batch.padded.pad_slot, np.int64)])
-    if arrays["row_indptr"] is not None:
-        ptr = arrays["row_indptr"]
+    ptr = arrays["row_indptr"]
+    if ptr is not None:
         arrays["row_indptr"] = np.concatenate([ptr, np.full(extra, ptr[-1], np.int64)])
 
 
-def index_arrays(sched: Schedule, batch: AttentionBatch) -> dict[str, np.ndarray | None]:
+def index_arrays(sched: Schedule, batch: AttentionBatch) -> HostArrays:
     """Host int64 arrays for every index field of `DevicePlan`."""
     assert all(it.q_len > 0 and it.pieces for it in sched.items)
     q_start = np.array([it.q_start for it in sched.items], dtype=np.int64)
     q_len = np.array([it.q_len for it in sched.items], dtype=np.int64)
-    arrays: dict[str, np.ndarray | None] = {
+    arrays: HostArrays = {
         "slots": batch.slots.numpy(), "q_pos": _row_positions(batch),
         "item_q_start": q_start, "item_q_len": q_len, **_entries(sched, batch.chunk_size)}
     if sched.needs_merge:
@@ -154,52 +166,53 @@ def index_arrays(sched: Schedule, batch: AttentionBatch) -> dict[str, np.ndarray
     return arrays
 
 
-def _tail_entries(a: dict[str, np.ndarray], batch: AttentionBatch) -> np.ndarray | None:
+def _tail_entries(a: HostArrays, batch: AttentionBatch) -> np.ndarray | None:
     """[B]: for a decode batch (one query row per sequence, row i = sequence i), the entry
     that holds row i's newest key (its own position) inside an item of row i alone -- where
     an advance puts the next key. None if some row has none (then no advance)."""
     num = len(batch.seqs)
     if num == 0 or num != batch.num_tokens or any(s.q_len != 1 for s in batch.seqs):
         return None
-    indptr = a["item_kv_indptr"]
+    indptr = required(a, "item_kv_indptr")
     item = np.repeat(np.arange(len(indptr) - 1), np.diff(indptr))  # [E]: entry -> item
-    row = a["item_q_start"][item]
-    last_pos = a["kv_pos"] + a["kv_hi"] - a["kv_lo"] - 1
-    own = (a["item_q_len"][item] == 1) & (last_pos == a["q_pos"][row])
+    row = required(a, "item_q_start")[item]
+    last_pos = required(a, "kv_pos") + required(a, "kv_hi") - required(a, "kv_lo") - 1
+    own = (required(a, "item_q_len")[item] == 1) & (last_pos == required(a, "q_pos")[row])
     own &= np.arange(len(item)) == indptr[item + 1] - 1  # the item's last entry
     tail = np.full(num, -1, np.int64)
     tail[row[own]] = np.nonzero(own)[0]
     return tail if (tail >= 0).all() and own.sum() == num else None
 
 
-def advance_arrays(a: dict, tail: np.ndarray, new_slots: np.ndarray,
-                   chunk_size: int) -> tuple[dict, np.ndarray, list[str]]:
+def advance_arrays(a: HostArrays, tail: np.ndarray, new_slots: np.ndarray,
+                   chunk_size: int) -> tuple[HostArrays, np.ndarray, list[str]]:
     """The arrays of the next decode step: every row one position further, its new key at
     `new_slots[i]` appended to entry tail[i] (or in a new entry after it when the key opens a
     chunk). -> (arrays, new tail, names of the changed fields)."""
     out = dict(a)
     rows = len(tail)
-    out["q_pos"] = a["q_pos"].copy()
-    out["q_pos"][:rows] += 1
-    out["slots"] = a["slots"].copy()
-    out["slots"][:rows] = new_slots
+    out["q_pos"] = q_pos = required(a, "q_pos").copy()
+    q_pos[:rows] += 1
+    out["slots"] = slots = required(a, "slots").copy()
+    slots[:rows] = new_slots
     chunk, slot = new_slots // chunk_size, new_slots % chunk_size
     fresh = slot == 0
     grow = ~fresh
-    assert (a["kv_hi"][tail[grow]] == slot[grow]).all() and (a["kv_chunk"][tail[grow]] == chunk[grow]).all(), \
+    kv_hi = required(a, "kv_hi")
+    assert (kv_hi[tail[grow]] == slot[grow]).all() and (required(a, "kv_chunk")[tail[grow]] == chunk[grow]).all(), \
         "an advanced key must continue its row's newest entry"
-    out["kv_hi"] = a["kv_hi"].copy()
-    out["kv_hi"][tail[grow]] += 1
+    out["kv_hi"] = kv_hi = kv_hi.copy()
+    kv_hi[tail[grow]] += 1
     changed = ["q_pos", "slots", "kv_hi"]
     if not fresh.any():
         return out, tail, changed
     at = tail[fresh] + 1  # insert before old entry `at`: after the row's tail entry
     order = np.argsort(at, kind="stable")
     values = {"kv_chunk": chunk[fresh], "kv_lo": np.zeros(len(at), np.int64),
-              "kv_hi": np.ones(len(at), np.int64), "kv_pos": out["q_pos"][:rows][fresh]}
+              "kv_hi": np.ones(len(at), np.int64), "kv_pos": q_pos[:rows][fresh]}
     for name in _ENTRY_FIELDS:
-        out[name] = np.insert(out[name], at[order], values[name][order])
-    indptr = a["item_kv_indptr"]
+        out[name] = np.insert(required(out, name), at[order], values[name][order])
+    indptr = required(a, "item_kv_indptr")
     item_of = np.searchsorted(indptr, tail[fresh], side="right") - 1
     out["item_kv_indptr"] = indptr + _csr(np.bincount(item_of, minlength=len(indptr) - 1))
     sorted_at = np.sort(at)
@@ -208,7 +221,10 @@ def advance_arrays(a: dict, tail: np.ndarray, new_slots: np.ndarray,
     return out, new_tail, changed + ["kv_chunk", "kv_lo", "kv_pos", "item_kv_indptr"]
 
 
-def batch_key(batch: AttentionBatch) -> tuple:
+BatchKey = tuple[tuple[SeqQueries, ...], int, frozenset[int], PaddedRows | None]
+
+
+def batch_key(batch: AttentionBatch) -> BatchKey:
     """Everything a schedule depends on: all of the batch but `slots`."""
     return batch.seqs, batch.chunk_size, batch.pinned_node_ids, batch.padded
 
@@ -217,18 +233,18 @@ class PlanCache:
     """Device copies of one backend's index tensors across steps; policy in the module doc."""
 
     def __init__(self, device: torch.device,
-                 extend: Callable[[AttentionBatch, dict], dict] | None = None):
+                 extend: Callable[[AttentionBatch, HostArrays], HostExtras] | None = None) -> None:
         self.device = torch.device(device)
         self.extend = extend  # (batch, host arrays) -> extra arrays (synced) and ints
         self.uploader = Uploader(self.device)
         self.generation = 0  # bumped when a device buffer moves
         self._ints: dict[str, int] = {}  # the extras that are ints
         self._extra_names: list[str] = []  # the extras that are arrays (synced)
-        self._key: tuple | None = None
+        self._key: BatchKey | None = None
         self._tail: np.ndarray | None = None
-        self._host: dict[str, np.ndarray | None] = {}  # the arrays the device buffers hold
+        self._host: HostArrays = {}  # the arrays the device buffers hold
         self._buf: dict[str, torch.Tensor] = {}  # per field: a buffer of some capacity
-        self._dev: dict[str, torch.Tensor | None] = {}  # per field: the used view of _buf
+        self._dev: dict[str, torch.Tensor] = {}  # per field: the used view of _buf (absent: None)
 
     @property
     def can_advance(self) -> bool:
@@ -236,6 +252,7 @@ class PlanCache:
 
     def get(self, batch: AttentionBatch, make_schedule: Callable[[], Schedule]) -> DevicePlan:
         if batch.advance:
+            assert self._tail is not None, "an advanced batch follows a plan that can advance"
             arrays, self._tail, changed = advance_arrays(self._host, self._tail,
                                                          batch.slots.numpy(), batch.chunk_size)
             self._update(batch, arrays, changed)
@@ -248,15 +265,16 @@ class PlanCache:
         else:
             slots = batch.slots.numpy()
             if batch.padded is not None:
-                slots = np.concatenate([slots, self._host["slots"][batch.num_tokens:]])
+                slots = np.concatenate([slots, required(self._host, "slots")[batch.num_tokens:]])
             self._sync("slots", slots)
         self.uploader.fence()
-        extra = {**self._ints, **{n: self._dev[n] for n in self._extra_names}}
-        return DevicePlan(num_out_rows=int(self._host["item_q_len"].sum()),
+        extra: DeviceExtras = {**self._ints, **{n: self._dev.get(n) for n in self._extra_names}}
+        return DevicePlan(num_out_rows=int(required(self._host, "item_q_len").sum()),
                           padded=batch.padded is not None, extra=extra,
-                          **{f: self._dev[f] for f in _FIELDS})
+                          row_indptr=self._dev.get("row_indptr"), row_parts=self._dev.get("row_parts"),
+                          **{f: self._dev[f] for f in _FIELDS if f not in _MERGE_FIELDS})
 
-    def _update(self, batch: AttentionBatch, arrays: dict, changed: list[str]) -> None:
+    def _update(self, batch: AttentionBatch, arrays: HostArrays, changed: list[str]) -> None:
         for name in changed:
             self._sync(name, arrays[name])
         for name in set(arrays) - set(changed):
@@ -264,16 +282,17 @@ class PlanCache:
         if self.extend is not None:
             extra = self.extend(batch, self._host)  # which now holds every array of `arrays`
             self._ints = {n: v for n, v in extra.items() if isinstance(v, int)}
-            self._extra_names = [n for n in extra if n not in self._ints]
-            for name in self._extra_names:
-                self._sync(name, extra[name])
+            synced = {n: v for n, v in extra.items() if not isinstance(v, int)}
+            self._extra_names = list(synced)
+            for name, arr in synced.items():
+                self._sync(name, arr)
 
     def _sync(self, name: str, arr: np.ndarray | None) -> None:
         """Make the device view of `name` hold `arr`, uploading only if it changed."""
         old = self._host.get(name)
         self._host[name] = arr
         if arr is None:
-            self._dev[name] = None
+            self._dev.pop(name, None)
             return
         buf = self._buf.get(name)
         if buf is None or buf.shape[0] < arr.shape[0] or buf.shape[1:] != arr.shape[1:]:

@@ -8,7 +8,8 @@ This module imports no backend (nor does base.py): the backends depend on it, no
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from .base import AttentionBackend, AttentionShape
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from .base import AttentionBatch, Segment, SeqQueries
 from .window import kv_bounds_ok
@@ -69,7 +69,7 @@ class Schedule:
 Group = tuple[int, int, tuple[Piece, ...]]  # sequences [i, j) read these pieces
 
 
-def _whole(segments) -> tuple[Piece, ...]:
+def _whole(segments: Iterable[Segment]) -> tuple[Piece, ...]:
     return tuple(Piece(s, 0, s.length) for s in segments if s.length > 0)
 
 
@@ -151,11 +151,16 @@ def split_shared(batch: AttentionBatch) -> tuple[list[tuple[int, int, Piece]], l
         k = cursor[a][0]
         return seqs[a].segments[k] if k < len(seqs[a].segments) else None
 
+    def reading(a: int) -> Segment:  # seg_at(a) of a sequence that `walk` found sharing one
+        seg = seg_at(a)
+        assert seg is not None, "a sequence sharing a segment has keys left in it"
+        return seg
+
     def share(a: int, b: int, seg: Segment) -> None:  # [a, b) all read `seg` next
         off = cursor[a][1]
-        end = min(seg_at(s).length for s in range(a, b))
+        end = min(reading(s).length for s in range(a, b))
         for s in range(a, b):
-            mine = seg_at(s)
+            mine = reading(s)
             assert cursor[s][1] == off and (mine.pos_start, mine.offset) == (
                 seg.pos_start, seg.offset), "one node, two layouts"
             cursor[s] = _advance(seqs[s], cursor[s][0], end)
@@ -200,7 +205,8 @@ def _per_chunk(piece: Piece, chunk_size: int) -> list[Piece]:
 
 def chunk(batch: AttentionBatch) -> Schedule:
     shared, private = split_shared(batch)
-    groups = [(i, j, (p,)) for i, j, piece in shared for p in _per_chunk(piece, batch.chunk_size)]
+    groups: list[Group] = [(i, j, (p,)) for i, j, piece in shared
+                           for p in _per_chunk(piece, batch.chunk_size)]
     groups += [(i, i + 1, tuple(p)) for i, p in enumerate(private)]
     return _assemble(batch, groups)
 

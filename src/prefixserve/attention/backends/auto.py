@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 
-from ..base import AttentionBatch
-from ..registry import register_backend
+from ..base import AttentionBatch, AttentionShape
 from ..cost import CostModel, schedule_cost
+from ..ops import Executor
+from ..registry import register_backend
 from ..schedule import SCHEDULES, Schedule
 from .scheduled import ScheduledBackend
 
@@ -24,7 +25,8 @@ CANDIDATES = ("paged", "relay", "hydragen", "chunk")
 
 @register_backend("auto")
 class AutoBackend(ScheduledBackend):
-    def __init__(self, shape, kernels=None, model: CostModel | None = None):
+    def __init__(self, shape: AttentionShape, kernels: Executor | None = None,
+                 model: CostModel | None = None) -> None:
         super().__init__(shape, kernels)
         self.model = model or CostModel.for_device(shape.device)
         self.chosen: str | None = None
@@ -32,7 +34,7 @@ class AutoBackend(ScheduledBackend):
     def make_schedule(self, batch: AttentionBatch) -> Schedule:
         scheds = {name: SCHEDULES[name](batch) for name in CANDIDATES}
         times = {name: self.model.time(schedule_cost(s, self.shape)) for name, s in scheds.items()}
-        self.chosen = min(times, key=times.get)
+        self.chosen = min(times, key=times.__getitem__)
         logger.debug("auto attention: %s (%s)", self.chosen,
                      ", ".join(f"{n} {t * 1e6:.1f}us" for n, t in times.items()))
         return scheds[self.chosen]

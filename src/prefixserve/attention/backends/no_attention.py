@@ -11,14 +11,14 @@ import numpy as np
 import torch
 
 from ...staging import Uploader
-from ..base import AttentionBackend, AttentionBatch
-from ..registry import register_backend
+from ..base import AttentionBackend, AttentionBatch, AttentionShape
 from ..ops.reference import store_kv
+from ..registry import register_backend
 
 
 @register_backend("no-attention")
 class NoAttentionBackend(AttentionBackend):
-    def __init__(self, shape):
+    def __init__(self, shape: AttentionShape) -> None:
         super().__init__(shape)
         self.uploader = Uploader(shape.device)
         self._buf = torch.empty(0, dtype=torch.int64, device=shape.device)
@@ -46,5 +46,6 @@ class NoAttentionBackend(AttentionBackend):
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None = None) -> torch.Tensor:
+        assert self.slots is not None, "plan() before run()"
         store_kv(k_cache, v_cache, k, v, self.slots)
         return torch.zeros_like(q)

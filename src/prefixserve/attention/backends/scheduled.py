@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ..base import AttentionBackend, AttentionBatch, AttentionShape
-from ..ops import kernels_for
+from ..ops import Executor, kernels_for
 from ..plan import DevicePlan, PlanCache
 from ..schedule import Schedule
 from ..window import windowed
@@ -29,7 +29,8 @@ from ..window import windowed
 class ScheduledBackend(AttentionBackend):
     schedule: Callable[[AttentionBatch], Schedule]  # set by each subclass (a staticmethod)
 
-    def __init__(self, shape: AttentionShape, kernels=None, window_kernels=None):
+    def __init__(self, shape: AttentionShape, kernels: Executor | None = None,
+                 window_kernels: Executor | None = None) -> None:
         """kernels, window_kernels: executors of the full and the windowed plans (default:
         `ops.kernels_for(shape)`; tests pass their own)."""
         super().__init__(shape)

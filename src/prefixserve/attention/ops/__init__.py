@@ -13,9 +13,26 @@ same function from the same plan; an executor has
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
+from ..base import AttentionBatch, AttentionShape
+from ..plan import DevicePlan, HostArrays, HostExtras
 from . import reference
+
+
+class Executor(Protocol):
+    """What a scheduled backend runs its plans with (see the module docstring)."""
+
+    @property
+    def generation(self) -> int: ...
+
+    def plan_extra(self, batch: AttentionBatch, arrays: HostArrays) -> HostExtras: ...
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor, plan: DevicePlan, scale: float,
+            window: int | None = None) -> torch.Tensor: ...
 
 
 class ReferenceKernels:
@@ -24,13 +41,15 @@ class ReferenceKernels:
 
     generation = 0  # no buffers of its own (see AttentionBackend.generation)
 
-    def __init__(self, shape):
+    def __init__(self, shape: AttentionShape) -> None:
         self.shape = shape
 
-    def plan_extra(self, batch, arrays) -> dict:
+    def plan_extra(self, batch: AttentionBatch, arrays: HostArrays) -> HostExtras:
         return {}
 
-    def run(self, q, k, v, k_cache, v_cache, plan, scale: float, window: int | None = None) -> torch.Tensor:
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor, plan: DevicePlan, scale: float,
+            window: int | None = None) -> torch.Tensor:
         p = plan
         reference.store_kv(k_cache, v_cache, k, v, p.slots)
         o, lse = reference.attend_items(q, k_cache, v_cache, p.q_pos, p.item_q_start,
@@ -38,13 +57,14 @@ class ReferenceKernels:
                                         p.kv_chunk, p.kv_lo, p.kv_hi, p.kv_pos, scale,
                                         p.num_out_rows, window)
         if p.needs_merge:
+            assert p.row_indptr is not None and p.row_parts is not None  # what needs_merge means
             o, _ = reference.merge_partials(o, lse, p.row_indptr, p.row_parts)
         elif o.shape[0] < q.shape[0]:  # padding rows (a padded batch) attend to nothing
             o = torch.cat([o, o.new_zeros((q.shape[0] - o.shape[0], *o.shape[1:]))])
         return o.to(q.dtype)
 
 
-def kernels_for(shape):
+def kernels_for(shape: AttentionShape) -> Executor:
     """The executor for `shape.device`: Triton on CUDA (triton imported here, lazily)."""
     if torch.device(shape.device).type == "cuda":
         from .triton.kernels import TritonKernels

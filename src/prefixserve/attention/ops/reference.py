@@ -79,7 +79,7 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
 
 
 def _expand_entries(chunk_size: int, kv_chunk: torch.Tensor, kv_lo: torch.Tensor,
-                    kv_hi: torch.Tensor, kv_pos: torch.Tensor):
+                    kv_hi: torch.Tensor, kv_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Entries -> per-key flat slots [K] int64, positions [K] int64, entry offsets [E+1] int64."""
     counts = (kv_hi - kv_lo).long()
     key_indptr = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)

@@ -13,6 +13,14 @@ machine without triton; `worklist` never needs it.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names __getattr__ serves, for the type checker
+    from .attend import attend_items as attend_items
+    from .kernels import TritonKernels as TritonKernels
+    from .merge import merge_partials as merge_partials
+    from .store import store_kv as store_kv
+    from .worklist import KernelConfig as KernelConfig
 
 _WHERE = {"store_kv": "store", "attend_items": "attend", "merge_partials": "merge",
           "TritonKernels": "kernels", "KernelConfig": "worklist"}
@@ -20,7 +28,7 @@ _WHERE = {"store_kv": "store", "attend_items": "attend", "merge_partials": "merg
 __all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import triton
 import triton.language as tl
@@ -207,9 +208,14 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
         tl.store(lse + (out + row).to(tl.int64) * stride_lt + head, lse_row, mask=row_ok)
 
 
-def launch_units(q, k_cache, v_cache, q_pos, units, count, kv_chunk, kv_lo, kv_hi, kv_pos,
-                 scale: float, o, lse, cfg: KernelConfig, causal: bool, programs: int,
-                 new_kv: tuple | None = None, window: int | None = None) -> None:
+NewKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k, v [T, Hkv, D], slots [T] int64
+
+
+def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor,
+                 units: torch.Tensor, count: torch.Tensor, kv_chunk: torch.Tensor, kv_lo: torch.Tensor,
+                 kv_hi: torch.Tensor, kv_pos: torch.Tensor, scale: float, o: torch.Tensor,
+                 lse: torch.Tensor | None, cfg: KernelConfig, causal: bool, programs: int,
+                 new_kv: NewKV | None = None, window: int | None = None) -> None:
     """Run the first count[0] units of `units` ([>= count, 6] int32, see worklist; count: [1]
     int32 on the device, so a CUDA graph replays any number) on a persistent grid of
     `programs` programs, into o [*, Hq, D] (any float dtype) and, unless lse is None, lse
@@ -232,7 +238,7 @@ def launch_units(q, k_cache, v_cache, q_pos, units, count, kv_chunk, kv_lo, kv_h
     g = hq // hkv
     assert cfg.block_m >= g, "a KV head's G query heads must fit one tile"
     k, v, slots = new_kv or (k_cache, v_cache, None)  # no store: any pointers
-    if new_kv is not None:
+    if slots is not None:  # new_kv
         assert k.shape == v.shape and k.shape[1:] == k_cache.shape[2:]
         assert slots.shape == k.shape[:1]
         assert k.stride(-1) == 1 and v.stride(-1) == 1 and slots.dtype == torch.int64
@@ -241,7 +247,7 @@ def launch_units(q, k_cache, v_cache, q_pos, units, count, kv_chunk, kv_lo, kv_h
             q.stride(0), q.stride(1), o.stride(0), o.stride(1),
             0 if lse is None else lse.stride(0), k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), scale * _LOG2E, chunk_size, window or 0)
-    meta = dict(
+    meta: dict[str, int | bool | str] = dict(
         HKV=hkv, G=g, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, C_PAD=next_pow2(chunk_size), CAUSAL=causal, SLIDING=window is not None,
         WRITE_LSE=lse is not None, STORE=new_kv is not None,
@@ -255,22 +261,24 @@ def launch_units(q, k_cache, v_cache, q_pos, units, count, kv_chunk, kv_lo, kv_h
     _attend_kernel[(programs,)](*args, **meta)
 
 
-_RESIDENT: dict[tuple, int] = {}
+_RESIDENT: dict[tuple[object, ...], int] = {}
 
 
-def resident_programs(args: tuple, meta: dict, device: torch.device) -> int:
+def resident_programs(args: tuple[torch.Tensor | int | float, ...], meta: dict[str, int | bool | str],
+                      device: torch.device) -> int:
     """Programs of this compiled attend kernel that the GPU holds at once (registers and
     shared memory per SM, as Triton's persistent tutorials compute it), x SMs. A persistent
     grid larger than this runs in waves: its last programs start only when the first ones
     have walked their whole stride of units. On an H200 (fp16, D 128) the narrow shape holds
     5 programs per SM (its target is 4) and the 128-row wide one 2 (its target). Compiled once
     per launch shape."""
-    key = (device.index, args[0].dtype, *sorted(meta.items()))
+    q, warps = args[0], meta["num_warps"]
+    assert isinstance(q, torch.Tensor) and isinstance(warps, int)
+    key = (device.index, q.dtype, *sorted(meta.items()))
     if key not in _RESIDENT:
         kernel = _attend_kernel.warmup(*args, grid=(1,), **meta)
         kernel._init_handles()
         props = triton.runtime.driver.active.utils.get_device_properties(device.index)
-        warps = meta["num_warps"]
         by_regs = props["max_num_regs"] // max(1, kernel.n_regs * 32 * warps)
         by_smem = props["max_shared_mem"] // max(1, kernel.metadata.shared)
         by_warps = 64 // warps  # 2,048 threads per SM (sm_80 / sm_90)
@@ -300,9 +308,11 @@ def grid_size(num_units: int, num_kv_heads: int, cfg: KernelConfig, sms: int,
     return full if fixed else min(full, num_units * num_kv_heads)
 
 
-def launch_worklist(q, k_cache, v_cache, q_pos, launches: tuple[Launch, Launch], kv_chunk, kv_lo,
-                    kv_hi, kv_pos, scale: float, o, lse, side=None, new_kv=None,
-                    window: int | None = None) -> None:
+def launch_worklist(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor,
+                    launches: tuple[Launch, Launch], kv_chunk: torch.Tensor, kv_lo: torch.Tensor,
+                    kv_hi: torch.Tensor, kv_pos: torch.Tensor, scale: float, o: torch.Tensor,
+                    lse: torch.Tensor | None, side: torch.cuda.Stream | None = None,
+                    new_kv: NewKV | None = None, window: int | None = None) -> None:
     """Both unit classes' launches (narrow, wide). With a side stream (CUDA) the wide launch
     runs on it, concurrently with the narrow one; the current stream waits for it before
     returning (graph capture records the fork and join). new_kv: as launch_units', for the
@@ -314,16 +324,16 @@ def launch_worklist(q, k_cache, v_cache, q_pos, launches: tuple[Launch, Launch],
                      x.causal, x.programs, new_kv if x.stores else None, window)
 
     narrow, wide = launches
-    fork = side is not None and narrow.programs and wide.programs
-    if fork:
-        side.wait_stream(torch.cuda.current_stream(q.device))
-        with torch.cuda.stream(side):
+    fork = side if narrow.programs and wide.programs else None  # a side stream, if both run
+    if fork is not None:
+        fork.wait_stream(torch.cuda.current_stream(q.device))
+        with torch.cuda.stream(fork):
             go(wide)
     else:
         go(wide)
     go(narrow)
-    if fork:
-        torch.cuda.current_stream(q.device).wait_stream(side)
+    if fork is not None:
+        torch.cuda.current_stream(q.device).wait_stream(fork)
 
 
 def num_sms(device: torch.device) -> int:
@@ -349,13 +359,17 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     hkv, g = k_cache.shape[2], hq // k_cache.shape[2]
     sms = sms or num_sms(q.device)
     configs = configs or choose_configs(int(host[1].max(initial=0)) * g, d, q.element_size())
-    wl = build_worklist(*host[:4], num_out_rows, None, None, configs, group=g,
-                        num_kv_heads=hkv, chunk_size=k_cache.shape[1],
+    wl = build_worklist(host[0], host[1], host[2], host[3], num_out_rows, None, None, configs,
+                        group=g, num_kv_heads=hkv, chunk_size=k_cache.shape[1],
                         itemsize=q.element_size(), num_sms=sms, positions=host[4:])
-    dev = lambda a: torch.from_numpy(np.asarray(a, np.int32)).to(q.device)  # noqa: E731
-    launches = tuple(Launch(dev(u), dev([len(u)]), cfg, causal,
-                            grid_size(len(u), hkv, cfg, sms, fixed=False))
-                     for u, cfg, causal in zip((wl.narrow, wl.wide), configs, wl.causal, strict=True))
+
+    def dev(a: npt.ArrayLike) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(a, np.int32)).to(q.device)
+
+    narrow, wide = (Launch(dev(u), dev([len(u)]), cfg, causal,
+                           grid_size(len(u), hkv, cfg, sms, fixed=False))
+                    for u, cfg, causal in zip((wl.narrow, wl.wide), configs, wl.causal, strict=True))
+    launches = (narrow, wide)
     o = torch.zeros((num_out_rows, hq, d), dtype=torch.float32, device=q.device)
     lse = torch.full((num_out_rows, hq), float("-inf"), dtype=torch.float32, device=q.device)
     idx = (kv_chunk, kv_lo, kv_hi, kv_pos)
@@ -365,5 +379,6 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     o_s = torch.empty((wl.num_partials, hq, d), dtype=torch.float32, device=q.device)
     lse_s = torch.empty((wl.num_partials, hq), dtype=torch.float32, device=q.device)
     launch_worklist(q, k_cache, v_cache, q_pos, launches, *idx, scale, o_s, lse_s, window=window)
+    assert wl.merge_indptr is not None and wl.merge_parts is not None, "not direct: a merge"
     merge_rows(o_s, lse_s, dev(wl.merge_indptr), dev(wl.merge_parts), o, lse)
     return o, lse

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ...base import AttentionBatch, AttentionShape
+from ...plan import DeviceExtras, DevicePlan, HostArrays, HostExtras, required
 from .attend import Launch, grid_size, launch_worklist, num_sms
 from .merge import merge_rows
 from .store import store_kv
@@ -31,7 +32,7 @@ _SHAPE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "programs_per_sm
 
 class TritonKernels:
     def __init__(self, shape: AttentionShape, configs: tuple[KernelConfig, KernelConfig] | None = None,
-                 sms: int | None = None):
+                 sms: int | None = None) -> None:
         """configs: fixed (narrow, wide) launch shapes (benchmarks sweep them); None: chosen per
         plan by `choose_configs`. sms: the SMs to balance over (default: the device's)."""
         self.shape = shape
@@ -43,36 +44,36 @@ class TritonKernels:
         # pool of 32 per priority, and graph captures (ours, the benchmarks') take theirs from
         # the default pool; a side stream equal to the capture stream serialized the two
         # launches (measured: 288 vs 274 us on Table 3 n_p 4096, n_s 2048)
-        self.side = torch.cuda.Stream(shape.device, priority=-1) if cuda else None
+        self.side = torch.cuda.Stream(shape.device, priority=-1) if cuda else None  # type: ignore[no-untyped-call]  # torch's Stream.__new__ is unannotated
         self.generation = 0  # moves of the padded plans' scratch buffers, changes of `stores`
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         self._padded_stores: tuple[bool, bool, bool] | None = None  # (any, narrow, wide)
 
-    def plan_extra(self, batch: AttentionBatch,
-                   arrays: dict[str, np.ndarray | None]) -> dict[str, np.ndarray | int | None]:
+    def plan_extra(self, batch: AttentionBatch, arrays: HostArrays) -> HostExtras:
         """Work list of a plan's index arrays: device arrays `narrow`, `wide` (units),
         `unit_counts`, `merge_indptr`, `merge_parts`; ints `num_partials`, `direct`, `stores`
         and per launch whether it stores, the causal flags, the two launch shapes and grids."""
-        s, q_len, padded = self.shape, arrays["item_q_len"], batch.padded is not None
+        s, q_len, padded = self.shape, required(arrays, "item_q_len"), batch.padded is not None
         wide_rows = q_len[q_len * self.group > NARROW_ROWS]
         # a graph's launch shapes are fixed by its row count (an item holds at most all rows)
-        rows_hint = (batch.padded.rows if padded else int(wide_rows.max(initial=0))) * self.group
+        rows_hint = (batch.padded.rows if batch.padded else int(wide_rows.max(initial=0))) * self.group
         configs = self.configs or choose_configs(rows_hint, s.head_dim, s.dtype.itemsize)
-        wl = build_worklist(arrays["item_q_start"], q_len, arrays["item_out_start"],
-                            arrays["item_kv_indptr"], arrays["q_pos"].size, arrays["row_indptr"],
-                            arrays["row_parts"], configs, group=self.group,
+        wl = build_worklist(required(arrays, "item_q_start"), q_len, required(arrays, "item_out_start"),
+                            required(arrays, "item_kv_indptr"), required(arrays, "q_pos").size,
+                            arrays["row_indptr"], arrays["row_parts"], configs, group=self.group,
                             num_kv_heads=s.num_kv_heads, chunk_size=batch.chunk_size,
                             itemsize=s.dtype.itemsize, num_sms=self.sms,
-                            positions=[arrays[f] for f in ("q_pos", "kv_pos", "kv_lo", "kv_hi")],
-                            kv_chunk=arrays["kv_chunk"],
+                            positions=[required(arrays, f) for f in ("q_pos", "kv_pos", "kv_lo", "kv_hi")],
+                            kv_chunk=required(arrays, "kv_chunk"),
                             force_merge=padded)
         assert not (padded and any(wl.causal)), "a padded (graph) step must be a decode step"
-        stores = tuple(bool(wl.stores and (u[:, 5] >= 0).any()) for u in (wl.narrow, wl.wide))
+        stores = (wl.stores, bool(wl.stores and (wl.narrow[:, 5] >= 0).any()),
+                  bool(wl.stores and (wl.wide[:, 5] >= 0).any()))  # (any, narrow, wide)
         if padded:
             self._reserve_scratch(wl.num_partials)
             # (fixed in practice: decode tails are narrow units iff G <= 16)
-            if (wl.stores, *stores) != self._padded_stores:
-                self._padded_stores = (wl.stores, *stores)
+            if stores != self._padded_stores:
+                self._padded_stores = stores
                 self.generation += 1
         shapes = {f"{c}_{k}": getattr(cfg, k) for c, cfg in zip(("narrow", "wide"), configs, strict=True)
                   for k in _SHAPE_KEYS}
@@ -84,38 +85,41 @@ class TritonKernels:
                 "unit_counts": np.array([len(wl.narrow), len(wl.wide)], np.int64),
                 "merge_indptr": wl.merge_indptr, "merge_parts": wl.merge_parts,
                 "num_partials": wl.num_partials, "direct": int(wl.direct), "stores": int(wl.stores),
-                "stores_narrow": int(stores[0]), "stores_wide": int(stores[1]),
+                "stores_narrow": int(stores[1]), "stores_wide": int(stores[2]),
                 "causal_narrow": int(wl.causal[0]), "causal_wide": int(wl.causal[1]),
                 **shapes, **grids}
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-            v_cache: torch.Tensor, plan, scale: float, window: int | None = None) -> torch.Tensor:
+            v_cache: torch.Tensor, plan: DevicePlan, scale: float, window: int | None = None) -> torch.Tensor:
         """Write k, v [R, Hkv, D] at plan.slots; o [R, Hq, D] in q's dtype for `plan` (a
         DevicePlan with this object's extras); window: a sliding layer's."""
         x, new_kv = plan.extra, (k, v, plan.slots)
-        if not x["stores"]:
+        if not _int(x, "stores"):
             store_kv(k_cache, v_cache, k, v, plan.slots)
         args = (q, k_cache, v_cache, plan.q_pos, self.launches(x), plan.kv_chunk, plan.kv_lo,
                 plan.kv_hi, plan.kv_pos, scale)
         out = torch.empty_like(q)
-        if x["direct"]:
+        if _int(x, "direct"):
             launch_worklist(*args, out, None, self.side, new_kv, window)
             return out
-        o_s, lse_s = self._scratch if plan.padded else self._new_scratch(x["num_partials"])
+        scratch = self._scratch if plan.padded else self._new_scratch(_int(x, "num_partials"))
+        assert scratch is not None, "plan_extra reserves a padded plan's scratch"
+        o_s, lse_s = scratch
         launch_worklist(*args, o_s, lse_s, self.side, new_kv, window)
-        merge_rows(o_s, lse_s, x["merge_indptr"], x["merge_parts"], out, None)
+        merge_rows(o_s, lse_s, _tensor(x, "merge_indptr"), _tensor(x, "merge_parts"), out, None)
         return out
 
     @staticmethod
-    def launch_config(extra: dict, cls: str) -> KernelConfig:
-        return KernelConfig(*(extra[f"{cls}_{k}"] for k in _SHAPE_KEYS))
+    def launch_config(extra: DeviceExtras, cls: str) -> KernelConfig:
+        return KernelConfig(*(_int(extra, f"{cls}_{k}") for k in _SHAPE_KEYS))
 
     @classmethod
-    def launches(cls, x: dict) -> tuple[Launch, Launch]:
+    def launches(cls, x: DeviceExtras) -> tuple[Launch, Launch]:
         """The (narrow, wide) launches of a plan's extras `x`."""
-        return tuple(Launch(x[c], x["unit_counts"][i:i + 1], cls.launch_config(x, c),
-                            bool(x[f"causal_{c}"]), x[f"{c}_programs"], bool(x[f"stores_{c}"]))
-                     for i, c in enumerate(("narrow", "wide")))
+        narrow, wide = (Launch(_tensor(x, c), _tensor(x, "unit_counts")[i:i + 1], cls.launch_config(x, c),
+                               bool(x[f"causal_{c}"]), _int(x, f"{c}_programs"), bool(x[f"stores_{c}"]))
+                        for i, c in enumerate(("narrow", "wide")))
+        return narrow, wide
 
     def _new_scratch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 partials o [rows, Hq, D] and lse [rows, Hq]."""
@@ -127,6 +131,20 @@ class TritonKernels:
         if self._scratch is None or self._scratch[1].shape[0] < rows:
             self._scratch = self._new_scratch(max(256, 1 << (rows - 1).bit_length()))
             self.generation += 1
+
+
+def _int(x: DeviceExtras, name: str) -> int:
+    """An int of `plan_extra`'s (the plan cache hands ints on as they are)."""
+    value = x[name]
+    assert isinstance(value, int), name
+    return value
+
+
+def _tensor(x: DeviceExtras, name: str) -> torch.Tensor:
+    """An array of `plan_extra`'s, on the device (the merge CSR is None in a `direct` plan)."""
+    value = x[name]
+    assert isinstance(value, torch.Tensor), name
+    return value
 
 
 def _addressable(units: np.ndarray) -> np.ndarray:

@@ -50,8 +50,10 @@ kernel writes the output directly (`direct`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 _PARTIAL_BYTES = 4  # fp32 partials
 MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
@@ -117,7 +119,7 @@ def _csr(counts: np.ndarray) -> np.ndarray:
     return out
 
 
-def _splits(q_len, num_entries, cfg: KernelConfig, group: int, num_kv_heads: int,
+def _splits(q_len: np.ndarray, num_entries: np.ndarray, cfg: KernelConfig, group: int, num_kv_heads: int,
             chunk_pad: int, itemsize: int, num_sms: int) -> tuple[np.ndarray, np.ndarray]:
     """Entries per split and number of splits of every item (see the module docstring)."""
     rows = max(1, cfg.block_m // group)
@@ -130,7 +132,8 @@ def _splits(q_len, num_entries, cfg: KernelConfig, group: int, num_kv_heads: int
     floor = np.ceil(8 * overhead).astype(np.int64)
     # split caps (tiles per split): none, or a balanced share of k waves of the grid; keep
     # the one that ends the launch first (ties: fewer work items, so fewer partials)
-    best, tried = None, set()
+    best: tuple[tuple[int, int], np.ndarray] | None = None  # (makespan, units), splits
+    tried: set[bytes] = set()
     caps = [max(4, -(-total // (k * programs))) for k in (1, 2, 3, 4)]
     for cap in [int(tiles.max(initial=1))] + caps:
         splits = -(-tiles // np.maximum(cap, floor))
@@ -141,12 +144,13 @@ def _splits(q_len, num_entries, cfg: KernelConfig, group: int, num_kv_heads: int
                int((blocks * splits).sum()))
         if best is None or key < best[0]:
             best = (key, splits)
+    assert best is not None  # the first cap is always tried
     num_splits = best[1]
     if int((blocks * num_splits).sum()) * num_kv_heads < num_sms:
         # too few programs to fill the SMs: the step is latency-bound (a serial chain of tile
         # loads per program), not bound by the partials' bytes; split to about one per SM
-        cap = np.full_like(tiles, max(2, -(-total // num_sms)))
-        num_splits = -(-tiles // cap)
+        sm_cap = np.full_like(tiles, max(2, -(-total // num_sms)))
+        num_splits = -(-tiles // sm_cap)
     tiles_per_split = -(-tiles // np.maximum(num_splits, 1))
     per_entry = max(1, cfg.block_n // chunk_pad)  # entries per tile when a tile spans chunks
     entries = np.maximum(1, -(-tiles_per_split * cfg.block_n // chunk_pad))
@@ -163,10 +167,12 @@ def _makespan(tiles: np.ndarray, copies: np.ndarray, programs: int) -> int:
     return int(work.reshape(-1, programs).sum(0).max(initial=0))
 
 
-def build_worklist(q_start, q_len, out_start, kv_indptr, num_rows: int, row_indptr, row_parts,
-                   configs: tuple[KernelConfig, KernelConfig], *, group: int, num_kv_heads: int,
-                   chunk_size: int, itemsize: int, num_sms: int, positions=None,
-                   kv_chunk=None, force_merge: bool = False) -> WorkList:
+def build_worklist(q_start: npt.ArrayLike, q_len: npt.ArrayLike, out_start: npt.ArrayLike,
+                   kv_indptr: npt.ArrayLike, num_rows: int, row_indptr: npt.ArrayLike | None,
+                   row_parts: npt.ArrayLike | None, configs: tuple[KernelConfig, KernelConfig], *,
+                   group: int, num_kv_heads: int, chunk_size: int, itemsize: int, num_sms: int,
+                   positions: Sequence[npt.ArrayLike] | None = None,
+                   kv_chunk: npt.ArrayLike | None = None, force_merge: bool = False) -> WorkList:
     """Units and merge CSR of a plan (arrays as in `plan.index_arrays`).
 
     configs: (narrow, wide); an item is wide if q_len * G > NARROW_ROWS. Each class is split
@@ -181,39 +187,43 @@ def build_worklist(q_start, q_len, out_start, kv_indptr, num_rows: int, row_indp
     q_start, q_len, out_start, kv_indptr = (np.asarray(a, dtype=np.int64) for a in
                                             (q_start, q_len, out_start, kv_indptr))
     num_entries = kv_indptr[1:] - kv_indptr[:-1]
-    wide = q_len * group > NARROW_ROWS
+    is_wide = q_len * group > NARROW_ROWS
+    classes = ((~is_wide, configs[0]), (is_wide, configs[1]))
     entries = np.zeros_like(q_len)
     num_splits = np.zeros_like(q_len)
-    for cls, cfg in ((~wide, configs[0]), (wide, configs[1])):
+    for cls, cfg in classes:
         entries[cls], num_splits[cls] = _splits(q_len[cls], num_entries[cls], cfg, group,
                                                 num_kv_heads, next_pow2(chunk_size), itemsize,
                                                 num_sms)
     # scratch rows: the splits' own partial rows (also a no-merge schedule's, when forced)
     scratch = bool((num_splits > 1).any()) or (force_merge and row_indptr is None)
     base = _csr(num_splits * q_len)[:-1] if scratch else out_start
-    units = [_units(q_start, q_len, kv_indptr, entries, num_splits, base,
-                    max(1, cfg.block_m // group), cls) for cls, cfg in ((~wide, configs[0]),
-                                                                       (wide, configs[1]))]
-    causal = tuple(positions is None or needs_causal(u, *positions) for u in units)
-    flags = dict(causal=causal, stores=kv_chunk is not None and not any(causal)
-                 and mark_stores(units, q_start, q_len, kv_chunk, *positions))
-    if not scratch and row_indptr is None:
-        return WorkList(*units, num_rows, None, None, direct=True, **flags)
-    if not scratch:
-        return WorkList(*units, int(q_len.sum()), np.asarray(row_indptr, np.int64),
-                        np.asarray(row_parts, np.int64), direct=False, **flags)
-    return WorkList(*units, int((num_splits * q_len).sum()),
-                    *_merge_csr(q_len, out_start, num_splits, base, num_rows, row_indptr,
-                                row_parts), direct=False, **flags)
+    narrow, wide = (_units(q_start, q_len, kv_indptr, entries, num_splits, base,
+                           max(1, cfg.block_m // group), cls) for cls, cfg in classes)
+    causal = (positions is None or needs_causal(narrow, *positions),
+              positions is None or needs_causal(wide, *positions))
+    stores = (kv_chunk is not None and positions is not None and not any(causal)
+              and mark_stores([narrow, wide], q_start, q_len, kv_chunk, *positions))
+    if scratch:
+        return WorkList(narrow, wide, int((num_splits * q_len).sum()),
+                        *_merge_csr(q_len, out_start, num_splits, base, num_rows, row_indptr,
+                                    row_parts), direct=False, causal=causal, stores=stores)
+    if row_indptr is None:
+        return WorkList(narrow, wide, num_rows, None, None, direct=True, causal=causal,
+                        stores=stores)
+    return WorkList(narrow, wide, int(q_len.sum()), np.asarray(row_indptr, np.int64),
+                    np.asarray(row_parts, np.int64), direct=False, causal=causal, stores=stores)
 
 
-def _range_reduce(ufunc, values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+def _range_reduce(ufunc: np.ufunc, values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """ufunc over values[starts[i]:ends[i]] for every i (non-empty ranges, any order)."""
     bounds = np.stack([starts, ends], 1).reshape(-1)
-    return ufunc.reduceat(np.append(values, values[:1]), bounds)[::2]
+    out: np.ndarray = ufunc.reduceat(np.append(values, values[:1]), bounds)[::2]
+    return out
 
 
-def needs_causal(units: np.ndarray, q_pos, kv_pos, kv_lo, kv_hi) -> bool:
+def needs_causal(units: np.ndarray, q_pos: npt.ArrayLike, kv_pos: npt.ArrayLike,
+                 kv_lo: npt.ArrayLike, kv_hi: npt.ArrayLike) -> bool:
     """Whether some unit's row precedes one of its keys (prefill); in decode every key of a
     row's units precedes it and the kernel skips the position mask."""
     if len(units) == 0:
@@ -225,8 +235,9 @@ def needs_causal(units: np.ndarray, q_pos, kv_pos, kv_lo, kv_hi) -> bool:
     return bool((key_max > row_min).any())
 
 
-def mark_stores(units: list[np.ndarray], q_start, q_len, kv_chunk, q_pos, kv_pos, kv_lo,
-                kv_hi) -> bool:
+def mark_stores(units: list[np.ndarray], q_start: np.ndarray, q_len: np.ndarray,
+                kv_chunk: npt.ArrayLike, q_pos: npt.ArrayLike, kv_pos: npt.ArrayLike,
+                kv_lo: npt.ArrayLike, kv_hi: npt.ArrayLike) -> bool:
     """Decode (no unit needs a position mask): set column `store` of the unit whose last
     entry ends at its one row's own position -- the unit that reads that row's new key --
     when every row of an item has exactly one such unit and no other entry holds one of
@@ -267,7 +278,8 @@ def mark_stores(units: list[np.ndarray], q_start, q_len, kv_chunk, q_pos, kv_pos
     return True
 
 
-def _units(q_start, q_len, kv_indptr, entries, num_splits, base, rows, select) -> np.ndarray:
+def _units(q_start: np.ndarray, q_len: np.ndarray, kv_indptr: np.ndarray, entries: np.ndarray,
+           num_splits: np.ndarray, base: np.ndarray, rows: int, select: np.ndarray) -> np.ndarray:
     """[U, 6] units of the selected items, longest first (ties: item, split, row block)."""
     blocks = np.where(select, -(-q_len // rows), 0)
     per_item = num_splits * blocks
@@ -283,7 +295,9 @@ def _units(q_start, q_len, kv_indptr, entries, num_splits, base, rows, select) -
     return units[np.argsort(-(units[:, 3] - units[:, 2]), kind="stable")]
 
 
-def _merge_csr(q_len, out_start, num_splits, base, num_rows, row_indptr, row_parts):
+def _merge_csr(q_len: np.ndarray, out_start: np.ndarray, num_splits: np.ndarray, base: np.ndarray,
+               num_rows: int, row_indptr: npt.ArrayLike | None,
+               row_parts: npt.ArrayLike | None) -> tuple[np.ndarray, np.ndarray]:
     """Final row -> scratch rows, composing the splits with the schedule's merge."""
     scratch_item = np.repeat(np.arange(len(q_len)), num_splits * q_len)
     local = np.arange(scratch_item.size) - base[scratch_item]
