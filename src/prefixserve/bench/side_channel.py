@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     ttft = bench.series(bench.ttft_trial)
     tpot = bench.series(bench.tpot_trial)
     doc = {"bench": "side-channel", "model": model, "hardware": hw, "load_average": [load_start, R.load_average()],
-           "backend": engine.backend.name, "command": R.command_line(args._parser, args, "prefixserve bench side-channel"),
+           "backend": engine.backend_name, "command": R.command_line(args._parser, args, "prefixserve bench side-channel"),
            "git_commit": _git_commit(), "trials": args.trials, "prompt_len": args.prompt_len,
            "ttft": _report(ttft), "tpot": _report(tpot), "raw": {"ttft": ttft, "tpot": tpot}}
     path = R.result_path(args.out_dir, "side-channel", f"p{args.prompt_len}", model, hw, args.tag)
@@ -77,7 +77,7 @@ class _Bench:
     def __init__(self, engine, args: argparse.Namespace):
         self.engine, self.args = engine, args
         self.rng = random.Random(args.prompt_seed)
-        self.vocab = engine.model.cfg.vocab_size
+        self.vocab = engine.vocab_size
         self._ids = 0
 
     def prompt(self) -> list[int]:
