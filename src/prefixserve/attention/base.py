@@ -116,6 +116,7 @@ class AttentionBackend(ABC):
     """plan() once per step on the host; run() once per layer, launching work only."""
 
     name: str = ""
+    chosen: str | None = None  # the schedule the last plan picked, for backends that pick one per step
 
     def __init__(self, shape: AttentionShape):
         self.shape = shape

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     ttft = bench.series(bench.ttft_trial)
     tpot = bench.series(bench.tpot_trial)
     doc = {"bench": "side-channel", "model": model, "hardware": hw, "load_average": [load_start, R.load_average()],
-           "backend": engine.backend.name, "trials": args.trials, "prompt_len": args.prompt_len,
+           "backend": engine.backend_name, "trials": args.trials, "prompt_len": args.prompt_len,
            "ttft": _report(ttft), "tpot": _report(tpot), "raw": {"ttft": ttft, "tpot": tpot}}
     for part in ("ttft", "tpot"):
         r = doc[part]
@@ -73,7 +73,7 @@ class _Bench:
     def __init__(self, engine, args: argparse.Namespace):
         self.engine, self.args = engine, args
         self.rng = random.Random(args.prompt_seed)
-        self.vocab = engine.model.cfg.vocab_size
+        self.vocab = engine.vocab_size
         self._ids = 0
 
     def prompt(self) -> list[int]:

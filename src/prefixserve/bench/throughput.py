@@ -130,7 +130,7 @@ def run_config(name: str, kwargs: dict, wl: W.Workload, progress: bool = True,
     try:
         if warmup:
             _warmup(llm, wl)
-        llm.engine.runner.profile = profile
+        llm.engine.set_step_profiling(profile)
         metrics, outputs = _timed_run(llm.engine, wl, progress, desc=name)
     finally:
         llm.close()
@@ -151,18 +151,18 @@ class _Clock:
     peak_in_use: int = 0
     peak_logical: int = 0
     cpu_s: float = 0.0  # this process's CPU time: on a shared machine, unlike wall time, not inflated by others
+    computed: int = 0  # the engine's computed prompt tokens after the last step
     choices: Counter = dataclasses.field(default_factory=Counter)
     profile: list = dataclasses.field(default_factory=list)  # decode steps' (StepTiming, host wall s)
 
 
 def _timed_run(engine, wl: W.Workload, progress: bool, desc: str) -> tuple[dict, list[list[int]]]:
     from tqdm.auto import tqdm
-    before = engine.kv_cache_stats()
-    preempt0 = engine.scheduler.num_preemptions
+    before = engine.stats()
     ids = [f"bench-{i}" for i in range(len(wl.prompts))]
     for rid, prompt, params in zip(ids, wl.prompts, wl.params):
         engine.add_request(rid, prompt, params)
-    clock, seen, done, generated = _Clock(), {}, {}, 0
+    clock, seen, done, generated = _Clock(computed=before.kv.computed_prompt_tokens), {}, {}, 0
     bar = tqdm(total=wl.output_tokens, desc=f"{desc:>13}", unit="tok", disable=not progress, leave=False)
     start, cpu_start = time.perf_counter(), time.process_time()
     while engine.has_unfinished():
@@ -172,17 +172,16 @@ def _timed_run(engine, wl: W.Workload, progress: bool, desc: str) -> tuple[dict,
     _synchronize()
     elapsed, clock.cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     bar.close()
-    after = engine.kv_cache_stats()
+    after = engine.stats()
     outputs = [c.token_ids for rid in ids for c in sorted(done[rid].outputs, key=lambda c: c.index)]
-    return _metrics(wl, clock, elapsed, generated, before, after, engine, preempt0), outputs
+    return _metrics(wl, clock, elapsed, generated, before, after, engine.chunk_size), outputs
 
 
 def _step(engine, clock: _Clock, seen: dict[str, int], done: dict) -> int:
     """One engine step, timed and classified; -> tokens read in it. Not synchronized: with
     overlapped scheduling a step returns while the next runs, and its wall time is the
     device's step time whenever the host keeps up."""
-    computed0 = engine.computed_prompt_tokens
-    engine.runner.timing = None
+    engine.take_step_timing()  # drop an earlier step's
     t = time.perf_counter()
     outs = engine.step()
     dt = time.perf_counter() - t
@@ -192,18 +191,20 @@ def _step(engine, clock: _Clock, seen: dict[str, int], done: dict) -> int:
         sampled, seen[out.request_id] = sampled + total - seen.get(out.request_id, 0), total
         if out.finished:
             done[out.request_id] = out
-    if engine.computed_prompt_tokens > computed0:
+    stats = engine.stats()
+    timing = engine.take_step_timing()
+    if stats.kv.computed_prompt_tokens > clock.computed:
         clock.prefill_s, clock.prefill_steps = clock.prefill_s + dt, clock.prefill_steps + 1
     else:
         clock.decode_s, clock.decode_steps = clock.decode_s + dt, clock.decode_steps + 1
         clock.decode_tokens += sampled
-        if (tm := engine.runner.timing) is not None and tm.idle_s is not None:
-            clock.profile.append((tm, dt))
-    stats = engine.kv_cache_stats()
-    clock.peak_in_use = max(clock.peak_in_use, stats.in_use_tokens)
-    clock.peak_logical = max(clock.peak_logical, stats.logical_tokens)
-    if chosen := getattr(engine.backend, "chosen", None):
-        clock.choices[chosen] += 1
+        if timing is not None and timing.idle_s is not None:
+            clock.profile.append((timing, dt))
+    clock.computed = stats.kv.computed_prompt_tokens
+    clock.peak_in_use = max(clock.peak_in_use, stats.kv.in_use_tokens)
+    clock.peak_logical = max(clock.peak_logical, stats.kv.logical_tokens)
+    if stats.schedule != engine.backend_name:  # a backend that picks a schedule per step (auto)
+        clock.choices[stats.schedule] += 1
     return sampled
 
 
@@ -213,15 +214,15 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def _metrics(wl: W.Workload, c: _Clock, elapsed: float, generated: int, before, after, engine,
-             preempt0: int) -> dict[str, Any]:
+def _metrics(wl: W.Workload, c: _Clock, elapsed: float, generated: int, before, after,
+             chunk_size: int) -> dict[str, Any]:
     def per_s(n, s):
         return round(n / s, 3) if s > 0 else None
     return {
         "requests": len(wl.prompts), "sequences": wl.num_sequences,
-        "prompt_tokens": after.prompt_tokens - before.prompt_tokens,
-        "prompt_tokens_computed": after.computed_prompt_tokens - before.computed_prompt_tokens,
-        "prefix_hit_tokens": after.prefix_hit_tokens - before.prefix_hit_tokens,
+        "prompt_tokens": after.kv.prompt_tokens - before.kv.prompt_tokens,
+        "prompt_tokens_computed": after.kv.computed_prompt_tokens - before.kv.computed_prompt_tokens,
+        "prefix_hit_tokens": after.kv.prefix_hit_tokens - before.kv.prefix_hit_tokens,
         "output_tokens": generated,
         "elapsed_s": round(elapsed, 3), "prefill_s": round(c.prefill_s, 3), "decode_s": round(c.decode_s, 3),
         "output_tokens_per_s": per_s(generated, elapsed), "requests_per_s": per_s(len(wl.prompts), elapsed),
@@ -229,8 +230,8 @@ def _metrics(wl: W.Workload, c: _Clock, elapsed: float, generated: int, before, 
         "decode_tokens_per_s": per_s(c.decode_tokens, c.decode_s),
         "steps": c.prefill_steps + c.decode_steps, "prefill_steps": c.prefill_steps,
         "peak_kv_tokens_physical": c.peak_in_use, "peak_kv_tokens_logical": c.peak_logical,
-        "kv_capacity_tokens": after.capacity_tokens, "chunk_size": engine.pool.chunk_size,
-        "preemptions": engine.scheduler.num_preemptions - preempt0,
+        "kv_capacity_tokens": after.kv.capacity_tokens, "chunk_size": chunk_size,
+        "preemptions": after.preemptions - before.preemptions,
         "attention_choices": dict(c.choices) or None,
         "decode_profile": _profile_summary(c.profile),
     }
@@ -253,7 +254,7 @@ def _profile_summary(steps: list) -> dict | None:
 def _warmup(llm, wl: W.Workload) -> None:
     """Two short requests shaped like the workload's (a shared start, distinct ends), their ids
     shifted so that they share no prefix with the real prompts; two tokens each."""
-    vocab = llm.engine.model.cfg.vocab_size
+    vocab = llm.engine.vocab_size
     prompts = [p[:32] + p[-16:] for p in (wl.prompts * 2)[:2]]
     prompts = [[(t + _WARMUP_SHIFT) % vocab for t in p] for p in prompts]
     params = [dataclasses.replace(p, max_tokens=2, n=min(p.n, 2)) for p in (wl.params * 2)[:2]]

@@ -2,6 +2,9 @@
 
 - `Request` / `Sequence` (request.py): CPU objects owned by the `Scheduler` from `add` until
   finished; a running sequence holds one path of the prefix tree (its `leaf`).
+- The prefix tree: written only by the `Scheduler` (admission, growth, `on_launched`,
+  `on_sampled`, pins); the model runner reads paths through `segments` / `slot`. Readers outside
+  this package use `LLMEngine.stats()`.
 - `SchedulerOutput` (scheduler.py): the step's grants, CPU, built by the scheduler and read by
   the model runner and the engine's postprocess; never kept past the step.
 - The attention plan: device tensors owned by the attention backend, built by `plan()` from the

@@ -11,7 +11,7 @@ The thread sleeps on an event while it has no work. `add_request` returns a `Req
 once the engine accepted the request (its `ValueError` is re-raised in the caller). Outputs
 are cumulative, so a consumer that falls behind reads only the newest one. After each loop
 iteration the thread records a heartbeat and, at most every `SNAPSHOT_INTERVAL_S`, a snapshot
-of the engine's state, which readers on other threads (health, metrics) may use freely.
+of the engine's state (`LLMEngine.stats()`), which readers on other threads (health, metrics) may use freely.
 
 A step that fails ends only its own requests (engine.py): their streams raise `RequestFailed`.
 If the thread itself dies, every stream raises `EngineDeadError`, `failure` says why, and
@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from ..sampling_params import SamplingParams
-from .engine import STEP_ERROR, KVCacheStats, LLMEngine
+from .engine import STEP_ERROR, EngineStats, LLMEngine
 from .request import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -48,14 +48,6 @@ class RequestFailed(RuntimeError):
 
 class RequestAborted(Exception):
     """The request was aborted before it finished (by the caller or at shutdown)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineSnapshot:
-    running_requests: int
-    waiting_requests: int
-    kv: KVCacheStats
-    schedule: str  # the attention schedule the last step ran (the backend's name unless `auto`)
 
 
 class StepObserver(Protocol):
@@ -105,7 +97,7 @@ class AsyncEngine:
         self._engine, self._observer = engine, observer
         self.tokenizer, self.model_name = engine.tokenizer, engine.model_name
         self.max_model_len = engine.max_model_len
-        self.backend_name = engine.backend.name
+        self.backend_name = engine.backend_name
         self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future | None]] = \
             collections.deque()
         self._lock = threading.Lock()  # guards _commands' closing: no command is queued after the last drain
@@ -119,7 +111,7 @@ class AsyncEngine:
         self._heartbeat = time.monotonic()
         self.on_death: Callable[[], None] | None = None
         self._snapshot_time = 0.0
-        self.snapshot = self._take_snapshot()
+        self.snapshot: EngineStats = engine.stats()
 
     # ---- lifecycle (any thread / the event loop) -------------------------------------------------
     def start(self) -> None:
@@ -281,7 +273,7 @@ class AsyncEngine:
         outputs = self._engine.step()
         now = time.monotonic()
         if self._observer is not None:
-            self._observer.on_step(outputs, self._schedule(), now)
+            self._observer.on_step(outputs, self._engine.last_schedule, now)
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
@@ -330,22 +322,13 @@ class AsyncEngine:
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
-    def _schedule(self) -> str:
-        return getattr(self._engine.backend, "chosen", None) or self.backend_name
-
     def _publish(self, force: bool) -> None:
         now = time.monotonic()
         if force or now - self._snapshot_time >= SNAPSHOT_INTERVAL_S:
-            self.snapshot, self._snapshot_time = self._take_snapshot(), now
-
-    def _take_snapshot(self) -> EngineSnapshot:
-        sched = self._engine.scheduler
-        running = {s.request.request_id for s in sched.running}
-        waiting = {s.request.request_id for s in sched.waiting} - running
-        return EngineSnapshot(len(running), len(waiting), self._engine.kv_cache_stats(), self._schedule())
+            self.snapshot, self._snapshot_time = self._engine.stats(), now
 
     def _inspect(self) -> dict[str, Any]:
         self._engine.check_integrity()
-        snap = self._take_snapshot()
+        snap = self._engine.stats()
         return {"integrity": "ok", "running": snap.running_requests, "waiting": snap.waiting_requests,
                 "streams": len(self._streams), **dataclasses.asdict(snap.kv)}

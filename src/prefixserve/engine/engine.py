@@ -18,6 +18,11 @@ are released (tokens the failed step computed were never marked computed, so no 
 claims K/V it does not hold), and the engine serves on. Failures that leave the engine in an
 unknown state are re-raised: any failure under tensor parallelism (the ranks may disagree on
 what ran) and device errors (a CUDA error poisons the context).
+
+The scheduler keeps the sequences' and the tree's bookkeeping (`on_launched`, `on_sampled`,
+pins); the engine adds what needs the tokenizer and the model (detokenization, stop checks,
+validation). Everything outside the engine package reads its state through `stats()` and the
+public properties below, never through the scheduler, runner or backend.
 """
 
 from __future__ import annotations
@@ -36,9 +41,9 @@ from ..model import loader
 from ..model.parallel import TPGroup, check_divides
 from ..sampling_params import SamplingParams
 from .detokenizer import with_decoded_tokens
-from .model_runner import Launched, ModelRunner
+from .model_runner import Launched, ModelRunner, StepTiming
 from .pins import Pin, PinTable
-from .request import PENDING, Request, RequestOutput, Sequence, Status
+from .request import Request, RequestOutput, Sequence
 from .sampler import Sampler, has_penalty
 from .scheduler import Scheduler, SchedulerOutput
 from .stops import check_stop
@@ -71,6 +76,17 @@ class KVCacheStats:
     tenants: tuple[TenantUsage, ...] = ()
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """The engine's state for readers outside it (AsyncEngine, metrics, benchmarks)."""
+
+    running_requests: int  # requests with a sequence running
+    waiting_requests: int  # requests waiting to be scheduled (none of their sequences running)
+    kv: KVCacheStats
+    schedule: str  # the attention schedule the last step ran (the backend's name unless `auto`)
+    preemptions: int  # cumulative
+
+
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
@@ -96,13 +112,12 @@ class LLMEngine:
                         "extrapolated (fine for speed benchmarks on dummy weights)",
                         self.max_model_len, m.max_position_embeddings)
         log.info("KV cache: %d chunks of %d tokens", self.pool.num_chunks, self.pool.chunk_size)
-        self._pinned_chunks = 0  # tree.pinned_chunks(), recounted when a pin comes or goes
+        self.tree = PrefixTree(self.pool, cfg.cache.enable_prefix_caching)  # written only by the scheduler
+        self.scheduler = Scheduler(cfg.scheduler, self.tree)
         if self.max_sequence_tokens < 2:  # a prompt token and a generated one
             self.close()
             raise ValueError(f"the KV cache ({self.pool.num_chunks} chunks of {self.pool.chunk_size} tokens, with "
                              "one kept spare) cannot hold a single sequence; raise kv_cache_memory")
-        self.tree = PrefixTree(self.pool, cfg.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(cfg.scheduler, self.tree)
         self.eos_token_ids = self._eos_ids()
         self.runner = ModelRunner(rank, self.tree, Sampler(self.eos_token_ids), self.workers)
         self.requests: dict[str, Request] = {}
@@ -111,7 +126,6 @@ class LLMEngine:
         self._penalized: set[str] = set()  # running requests with penalties (they need token values)
         self._seq_ids = itertools.count()
         self._stepping: list[Sequence] = []  # the sequences the current step scheduled
-        self.computed_prompt_tokens = 0
         self.peak_physical_tokens = 0
 
     def close(self) -> None:
@@ -172,8 +186,34 @@ class LLMEngine:
     def max_sequence_tokens(self) -> int:
         """The most tokens (prompt + generated) one sequence can ever hold: the context, or what
         the KV cache can give it beside the pinned chunks with one chunk to spare."""
-        return min(self.max_model_len, (self.pool.num_chunks - self._pinned_chunks - 1) * self.pool.chunk_size)
+        return min(self.max_model_len,
+                   (self.pool.num_chunks - self.scheduler.pinned_chunks - 1) * self.pool.chunk_size)
 
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    @property
+    def last_schedule(self) -> str:
+        """The attention schedule the last step ran (the backend's name unless `auto`)."""
+        return self.backend.chosen or self.backend.name
+
+    @property
+    def chunk_size(self) -> int:
+        return self.pool.chunk_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.cfg.vocab_size
+
+    def set_step_profiling(self, on: bool) -> None:
+        """CUDA: time each step with events (no extra sync); read with `take_step_timing`."""
+        self.runner.profile = on
+
+    def take_step_timing(self) -> StepTiming | None:
+        """The timing of the last profiled step collected since the last call, if any."""
+        timing, self.runner.timing = self.runner.timing, None
+        return timing
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -221,8 +261,9 @@ class LLMEngine:
         self._expire_pins()
         text, ids = self._tokenize(prompt)
         if not self._pin_fits(-(-len(ids) // self.pool.chunk_size)):
+            pinned = self.scheduler.pinned_chunks * self.pool.chunk_size
             raise ValueError(f"a pin of {len(ids)} tokens does not fit in the KV cache beside "
-                             f"{self._pinned_chunks * self.pool.chunk_size} pinned tokens and the running requests")
+                             f"{pinned} pinned tokens and the running requests")
         partition = PUBLIC if public else Partition(tenant, cache_salt)
         self.pins.add(Pin(pin_id, tenant, partition, ids, ttl))
         try:
@@ -251,8 +292,7 @@ class LLMEngine:
             raise ValueError(f"no pinned prefix {pin_id!r}")
         if pin.active:
             del self.pins.pins[pin_id]
-            self.tree.unpin(pin.leaf)
-            self._pinned_chunks = self.tree.pinned_chunks()
+            self.scheduler.unpin(pin.leaf)
         else:
             self.abort(pin_id)
         return pin
@@ -261,21 +301,19 @@ class LLMEngine:
         """Pinned chunks, plus `extra_chunks`, plus the largest live sequence at its longest,
         plus one spare chunk, fit in the pool."""
         C = self.pool.chunk_size
-        live = [s for s in self.scheduler.running + list(self.scheduler.waiting) if not s.request.prefill_only]
+        live = (s for s in self.scheduler.live() if not s.request.prefill_only)
         need = max((-(-(len(s.prompt_token_ids) + s.params.max_tokens) // C) for s in live), default=1)
-        return self._pinned_chunks + extra_chunks + need + 1 <= self.pool.num_chunks
+        return self.scheduler.pinned_chunks + extra_chunks + need + 1 <= self.pool.num_chunks
 
     def _settle_pins(self) -> list[RequestOutput]:
         """Pin the pending pins whose prompts are computed (or refuse them), ending their requests."""
         outputs = []
         for pin in self.pins.pending():
             seq = self.requests[pin.id].seqs[0]
-            if seq.leaf is None or self.tree.frontier(seq.leaf)[1] is not None:
+            if not self.scheduler.prompt_computed(seq):
                 continue
-            if self._pin_fits(sum(len(n.owned_chunks) for n in self.tree.path(seq.leaf) if not n.pins)):
-                self.tree.pin(seq.leaf)
-                self.pins.activate(pin, seq.leaf, time.time())
-                self._pinned_chunks = self.tree.pinned_chunks()
+            if self._pin_fits(self.scheduler.chunks_to_pin(seq)):
+                self.pins.activate(pin, self.scheduler.pin(seq), time.time())
                 self.scheduler.finish(seq, "pinned")
             else:
                 self.pins.discard_pending(pin.id)
@@ -299,19 +337,23 @@ class LLMEngine:
         physical = (self.pool.num_chunks - self.pool.num_free) * self.pool.chunk_size
         self.peak_physical_tokens = max(self.peak_physical_tokens, physical)
 
+    def stats(self) -> EngineStats:
+        running, waiting = self.scheduler.num_requests()
+        return EngineStats(running, waiting, self.kv_cache_stats(), self.last_schedule,
+                           self.scheduler.num_preemptions)
+
     def kv_cache_stats(self) -> KVCacheStats:
-        C, counts = self.pool.chunk_size, self.tree.chunk_counts()
+        C, sched = self.pool.chunk_size, self.scheduler
+        counts = sched.chunk_counts()
         physical = (counts["in_use"] + counts["cached"]) * C
         self._track_peak()
-        pinned = sum(len(n.tokens) for n in self.tree.iter_nodes() if n.pins)
         return KVCacheStats(
             capacity_tokens=self.pool.num_chunks * C, physical_tokens=physical,
             peak_physical_tokens=self.peak_physical_tokens, in_use_tokens=counts["in_use"] * C,
-            cached_tokens=counts["cached"] * C,
-            logical_tokens=sum(s.num_tokens for s in self.scheduler.running),
-            pinned_tokens=pinned, prompt_tokens=self.scheduler.prompt_tokens,
-            prefix_hit_tokens=self.scheduler.prefix_hit_tokens,
-            computed_prompt_tokens=self.computed_prompt_tokens, tenants=self._tenant_usage())
+            cached_tokens=counts["cached"] * C, logical_tokens=sched.logical_tokens(),
+            pinned_tokens=sched.pinned_tokens(), prompt_tokens=sched.prompt_tokens,
+            prefix_hit_tokens=sched.prefix_hit_tokens,
+            computed_prompt_tokens=sched.computed_prompt_tokens, tenants=self._tenant_usage())
 
     def _tenant_usage(self) -> tuple[TenantUsage, ...]:
         pinned = self.pins.pinned_tokens_by_owner()
@@ -320,28 +362,17 @@ class LLMEngine:
                      for t in sorted(counts.keys() | pinned.keys()))
 
     def check_integrity(self) -> None:
-        self.tree.check_integrity()
-        assert self._pinned_chunks == self.tree.pinned_chunks(), "pinned chunks miscounted"
-        for pin in self.pins.pins.values():
-            assert pin.active == (pin.leaf is not None) and (not pin.active or pin.leaf.pins > 0), pin.id
+        pins = self.pins.pins.values()
+        self.scheduler.check_integrity(p.leaf for p in pins if p.active)
+        for pin in pins:
             assert pin.active or pin.id in self.requests, f"pending pin {pin.id} has no request"
-        for seq in self.scheduler.running:
-            assert seq.leaf is not None and seq.leaf.end <= seq.num_tokens
-        for seq in self.scheduler.waiting:
-            assert seq.leaf is None
 
     # ---- internals --------------------------------------------------------------------------
     def _launch(self, sched: SchedulerOutput) -> Launched:
         """Queue the step; its K/V counts as computed from now on (later steps queue behind it),
         and each sampled row's token is PENDING until collected."""
         step = self.runner.launch(sched)
-        for g in sched.seqs:
-            seq = g.seq
-            self.tree.mark_computed(seq.leaf, g.start + g.num_tokens)
-            self.computed_prompt_tokens += max(0, min(g.start + g.num_tokens, len(seq.prompt_token_ids)) - g.start)
-            if g.sample and not seq.request.prefill_only:
-                seq.output_token_ids.append(PENDING)
-                seq.pending += 1
+        self.scheduler.on_launched(sched)
         self._track_peak()
         return step
 
@@ -354,16 +385,11 @@ class LLMEngine:
 
     def _collect(self, step: Launched) -> list[RequestOutput]:
         sampled = self.runner.collect(step)
-        touched: dict[str, Request] = {}
-        for i, seq in enumerate(step.rows):
-            if seq.request.prefill_only or seq.finished:  # stopped since: this token is dropped
-                continue
-            token = sampled.token_ids[i]
-            pos = seq.resolve_pending(token)
-            if seq.leaf is not None and seq.leaf.end > pos:
-                self.tree.resolve(seq.leaf, pos, token)
-            self._append(seq, token, sampled.logprobs[i])
-            touched[seq.request.request_id] = seq.request
+        if sampled is None:
+            return []
+        def stop(seq: Sequence, row: int, token: int) -> str | None:
+            return self._postprocess(seq, token, sampled.logprobs[row])
+        touched = self.scheduler.on_sampled(step.rows, sampled.token_ids, stop)
         outputs = [req.output() for req in touched.values()]
         for out in outputs:
             if out.finished:
@@ -371,16 +397,15 @@ class LLMEngine:
                 self._penalized.discard(out.request_id)
         return outputs
 
-    def _append(self, seq: Sequence, token: int, logprobs) -> None:
+    def _postprocess(self, seq: Sequence, token: int, logprobs) -> str | None:
+        """A token read for `seq`: logprobs, detokenization; -> its finish reason, if it stops."""
         req = seq.request
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         if seq.logprobs is not None:
             seq.logprobs.append(with_decoded_tokens(self.tokenizer, logprobs) if self.tokenizer else logprobs)
         delta = seq.detok.append(token) if seq.detok else ""
-        reason = check_stop(seq, token, delta, self.eos_token_ids, self.max_model_len)
-        if reason:
-            self.scheduler.finish(seq, reason)
+        return check_stop(seq, token, delta, self.eos_token_ids, self.max_model_len)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -388,7 +413,7 @@ class LLMEngine:
                 raise ValueError("this model has no tokenizer: pass prompts as token ids")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         ids = list(prompt)
-        vocab = self.model.cfg.vocab_size
+        vocab = self.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
@@ -397,7 +422,7 @@ class LLMEngine:
     def _validate(self, ids: list[int], params: SamplingParams, prefill_only: bool) -> SamplingParams:
         if not ids:
             raise ValueError("the prompt is empty")
-        params = params.for_model(self.model.cfg.vocab_size)
+        params = params.for_model(self.vocab_size)
         max_len = self.max_model_len
         if len(ids) + (0 if prefill_only else 1) > max_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is {max_len} "

@@ -130,7 +130,7 @@ class ModelRunner:
         C = self.rank.pool.chunk_size
         ids = [g.seq.tokens_from(g.start, g.start + 1)[0] for g in sched.seqs]
         positions = [g.start for g in sched.seqs]
-        slots = [g.seq.leaf.slot(g.start - g.seq.leaf.pos_start, C) for g in sched.seqs]
+        slots = [self.tree.slot(g.seq.leaf, g.start) for g in sched.seqs]
         batch = AttentionBatch((), C, torch.tensor(slots, dtype=torch.int64), advance=True)
         return torch.tensor(ids), torch.tensor(positions), batch, list(range(len(ids)))
 
@@ -142,15 +142,11 @@ class ModelRunner:
             ids += g.seq.tokens_from(g.start, end)
             positions += range(g.start, end)
             segments = []
-            for node in self.tree.path(g.seq.leaf):
-                if node.pos_start >= end:
-                    break
-                length = min(len(node.tokens), end - node.pos_start)
-                segments.append(Segment(node.id, node.pos_start, length, node.chunk_tuple(), node.offset))
-                lo = max(g.start, node.pos_start)
-                slots += (node.slot(p - node.pos_start, C) for p in range(lo, node.pos_start + length))
-                if node.pins:
-                    pinned.add(node.id)
+            for s in self.tree.segments(g.seq.leaf, end):
+                segments.append(Segment(s.node_id, s.pos_start, s.length, s.chunks, s.offset))
+                slots += s.slots(g.start, C)
+                if s.pinned:
+                    pinned.add(s.node_id)
             seqs.append(SeqQueries(q_start, g.num_tokens, g.start, tuple(segments)))
             if g.sample:
                 sample_rows.append(len(ids) - 1)

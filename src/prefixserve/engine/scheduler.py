@@ -27,18 +27,24 @@ Overlapped scheduling (engine.py) schedules a step while the previous one still 
 sequence's last token may then be PENDING (sampled, not read). It is put in the tree and
 granted like any other token (its value reaches the model on the device); a sequence whose
 pending tokens already make `max_tokens` is granted nothing.
+
+The scheduler owns the sequences' and the tree's bookkeeping (vLLM's `update_from_output`):
+what a launched step computed (`on_launched`), the tokens a step sampled (`on_sampled`), and
+pinning. The engine reaches the tree only through it; the model runner only reads paths
+(`PrefixTree.segments`, `slot`).
+`running` and `waiting` are insertion-ordered (a dict, an OrderedDict): `finish` is O(1).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 from ..config import SchedulerConfig
 from ..kvcache.chunk_pool import OutOfChunks
-from ..kvcache.prefix_tree import PrefixTree
-from .request import Sequence, Status
+from ..kvcache.prefix_tree import PENDING, Node, PrefixTree
+from .request import Request, Sequence, Status
 
 
 class ScheduledSeq(NamedTuple):  # a tuple: built for every running sequence, every step
@@ -61,15 +67,17 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, tree: PrefixTree):
         self.cfg, self.tree = cfg, tree
-        self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: list[Sequence] = []
+        self.waiting: collections.OrderedDict[Sequence, None] = collections.OrderedDict()  # head first
+        self.running: dict[Sequence, None] = {}  # in admission order (the last is preempted first)
         self.prefix_hit_tokens = self.prompt_tokens = self.num_preemptions = 0
+        self.computed_prompt_tokens = 0  # prompt tokens run through the model
+        self.pinned_chunks = 0  # tree.pinned_chunks(), recounted when a pin comes or goes
         self.tenant_tokens: dict[str, list[int]] = {}  # tenant -> [prompt tokens, prefix hit tokens]
         self._last_sig: tuple | None = None  # (tree version, leaves) of the last sorted grant
         self._last_perm: list[int] = []
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.waiting[seq] = None
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -116,23 +124,103 @@ class Scheduler:
             return
         demand = sum(min(self._demand(s), self._half) for s in self.running)
         while self.waiting and len(self.running) < self.cfg.max_num_seqs and demand < self.cfg.max_num_batched_tokens:
-            seq = self.waiting[0]
+            seq = next(iter(self.waiting))
             matched = self._admit(seq)
             if matched is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[seq]
             demand += min(seq.num_tokens - matched, self._half)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Stop a sequence (running or waiting) and release its path."""
+        """Stop a sequence (running or waiting) and release its path. O(1) but for the release."""
         seq.drop_pending()
         if seq.status is Status.RUNNING:
-            self.running.remove(seq)
+            del self.running[seq]
             self.tree.release(seq.leaf)
             seq.leaf = None
         elif seq.status is Status.WAITING:
-            self.waiting.remove(seq)
+            del self.waiting[seq]
         seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    # ---- after the model: what a step computed and sampled ------------------------------------
+    def on_launched(self, sched: SchedulerOutput) -> None:
+        """`sched` is queued on the device: its K/V counts as computed from now on (later steps
+        queue behind it), and each sampled row's token is PENDING until `on_sampled`."""
+        for g in sched.seqs:
+            seq, upto = g.seq, g.start + g.num_tokens
+            self.tree.mark_computed(seq.leaf, upto)
+            self.computed_prompt_tokens += max(0, min(upto, len(seq.prompt_token_ids)) - g.start)
+            if g.sample and not seq.request.prefill_only:
+                seq.output_token_ids.append(PENDING)
+                seq.pending += 1
+
+    def on_sampled(self, rows: list[Sequence], token_ids: list[int],
+                   stop: Callable[[Sequence, int, int], str | None]) -> dict[str, Request]:
+        """Row i of a launched step (sequence rows[i]) drew token_ids[i]. Row by row: the token
+        fills its sequence's oldest PENDING one (in the tree too), then `stop(seq, i, token)`
+        (detokenization and stop checks) gives a finish reason or None. A row whose sequence
+        finished since the launch is dropped. -> the requests of the rows taken, by id."""
+        touched: dict[str, Request] = {}
+        for i, seq in enumerate(rows):
+            if seq.request.prefill_only or seq.finished:
+                continue
+            token = token_ids[i]
+            pos = seq.resolve_pending(token)
+            if seq.leaf is not None and seq.leaf.end > pos:
+                self.tree.resolve(seq.leaf, pos, token)
+            if reason := stop(seq, i, token):
+                self.finish(seq, reason)
+            touched[seq.request.request_id] = seq.request
+        return touched
+
+    # ---- pins (engine/pins.py) -----------------------------------------------------------------
+    def prompt_computed(self, seq: Sequence) -> bool:
+        """The running sequence's whole path has its K/V computed."""
+        return seq.leaf is not None and self.tree.frontier(seq.leaf)[1] is None
+
+    def chunks_to_pin(self, seq: Sequence) -> int:
+        """Chunks that pinning the sequence's path would add to the pinned ones."""
+        return sum(len(n.owned_chunks) for n in self.tree.path(seq.leaf) if not n.pins)
+
+    def pin(self, seq: Sequence) -> Node:
+        """Pin the sequence's (computed) path; -> its leaf, the pin's handle for `unpin`."""
+        self.tree.pin(seq.leaf)
+        self.pinned_chunks = self.tree.pinned_chunks()
+        return seq.leaf
+
+    def unpin(self, leaf: Node) -> None:
+        self.tree.unpin(leaf)
+        self.pinned_chunks = self.tree.pinned_chunks()
+
+    # ---- state ---------------------------------------------------------------------------------
+    def live(self) -> Iterator[Sequence]:
+        """The running sequences, then the waiting ones."""
+        yield from self.running
+        yield from self.waiting
+
+    def num_requests(self) -> tuple[int, int]:
+        """(requests with a sequence running, requests with sequences waiting and none running)."""
+        running = {s.request.request_id for s in self.running}
+        return len(running), len({s.request.request_id for s in self.waiting} - running)
+
+    def logical_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.running)
+
+    def chunk_counts(self) -> dict[str, int]:
+        return self.tree.chunk_counts()
+
+    def pinned_tokens(self) -> int:
+        return sum(len(n.tokens) for n in self.tree.iter_nodes() if n.pins)
+
+    def check_integrity(self, pinned_leaves: Iterable[Node]) -> None:
+        self.tree.check_integrity()
+        assert self.pinned_chunks == self.tree.pinned_chunks(), "pinned chunks miscounted"
+        for leaf in pinned_leaves:
+            assert leaf.pins > 0, leaf
+        for seq in self.running:
+            assert seq.status is Status.RUNNING and seq.leaf is not None and seq.leaf.end <= seq.num_tokens
+        for seq in self.waiting:
+            assert seq.status is Status.WAITING and seq.leaf is None
 
     def _admit(self, seq: Sequence) -> int | None:
         """Insert the sequence's tokens into the tree; -> tokens matched, None if out of chunks."""
@@ -150,7 +238,7 @@ class Scheduler:
             counts[0] += len(seq.prompt_token_ids)
             counts[1] += matched
         seq.status = Status.RUNNING
-        self.running.append(seq)
+        self.running[seq] = None
         return matched
 
     def _grant(self, seq: Sequence, budget: int, claimed: set[int]) -> ScheduledSeq | None:
@@ -173,9 +261,10 @@ class Scheduler:
         return preempted
 
     def _preempt_last(self) -> Sequence:
-        victim = self.running.pop()
+        victim, _ = self.running.popitem()  # the last admitted
         self.num_preemptions += 1
         self.tree.release(victim.leaf)
         victim.leaf, victim.status = None, Status.WAITING
-        self.waiting.appendleft(victim)
+        self.waiting[victim] = None
+        self.waiting.move_to_end(victim, last=False)  # first in line
         return victim

@@ -104,6 +104,24 @@ class Node:
         return f"Node({self.id}, pos={self.pos_start}, len={len(self.tokens)}, ref={self.ref})"
 
 
+class PathSegment(NamedTuple):
+    """The first `length` tokens of one node of a path, as attention reads them (attention/base.py's
+    `Segment` plus `pinned`): token j of the node sits at slot `offset + j` of `chunks`."""
+
+    node_id: int
+    pos_start: int
+    length: int
+    chunks: tuple[int, ...]
+    offset: int
+    pinned: bool  # the node is on a pinned path
+
+    def slots(self, start: int, chunk_size: int) -> list[int]:
+        """Flat cache slots of the segment's tokens at positions >= `start`, in position order."""
+        C, chunks = chunk_size, self.chunks
+        first = self.offset + max(0, start - self.pos_start)
+        return [chunks[s // C] * C + s % C for s in range(first, self.offset + self.length)]
+
+
 def _num_chunks(offset: int, length: int, chunk_size: int) -> int:
     return -(-(offset + length) // chunk_size)
 
@@ -133,6 +151,21 @@ class PrefixTree:
             out.append(leaf)
             leaf = leaf.parent
         return out[::-1]
+
+    def segments(self, leaf: Node, end: int) -> list[PathSegment]:
+        """What attention reads of the path to `leaf` up to position `end` (exclusive): one
+        segment per node that starts before `end`, root first, the last one cut at `end`."""
+        out = []
+        for node in self.path(leaf):
+            if node.pos_start >= end:
+                break
+            out.append(PathSegment(node.id, node.pos_start, min(len(node.tokens), end - node.pos_start),
+                                   node.chunk_tuple(), node.offset, node.pins > 0))
+        return out
+
+    def slot(self, leaf: Node, pos: int) -> int:
+        """Flat cache slot of the token at path position `pos`, which lies in `leaf`."""
+        return leaf.slot(pos - leaf.pos_start, self.C)
 
     def frontier(self, leaf: Node) -> tuple[int, Node | None]:
         """(number of leading path tokens computed, the first node not fully computed).

@@ -92,7 +92,7 @@ def build_app(args: argparse.Namespace):
         cfg = dataclasses.replace(cfg, served_model_name=engine.model_name)
     for path, text in zip(args.pin_system_prompt, pins, strict=True):
         _pin(engine, path, text)
-    metrics = Metrics(cfg.served_model_name, engine.backend.name, cfg.tenants.names)
+    metrics = Metrics(cfg.served_model_name, engine.backend_name, cfg.tenants.names)
     async_engine = AsyncEngine(engine, observer=metrics)
     metrics.watch(lambda: async_engine.snapshot)
     return create_app(async_engine, cfg, metrics), async_engine

@@ -15,8 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ..engine.async_engine import EngineSnapshot
-from ..engine.engine import TenantUsage
+from ..engine.engine import EngineStats, TenantUsage
 from ..engine.request import RequestOutput
 from .tenancy import OTHER
 
@@ -55,7 +54,7 @@ class Metrics:
                               registry=r)
         self._progress: dict[str, _Progress] = {}  # engine thread only
 
-    def watch(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+    def watch(self, snapshot: Callable[[], EngineStats]) -> None:
         self.registry.register(_SnapshotCollector(snapshot, self.tenants))
 
     def render(self) -> tuple[bytes, str]:
@@ -91,7 +90,7 @@ class Metrics:
 
 
 class _SnapshotCollector(Collector):
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], tenants: frozenset[str]):
+    def __init__(self, snapshot: Callable[[], EngineStats], tenants: frozenset[str]):
         self._snapshot, self._tenants = snapshot, tenants
 
     def collect(self):
@@ -113,6 +112,8 @@ class _SnapshotCollector(Collector):
         yield _counter("prompt_tokens", "prompt tokens of admitted requests", kv.prompt_tokens)
         yield _counter("prefix_cache_hit_tokens", "prompt tokens found in the prefix tree", kv.prefix_hit_tokens)
         yield _counter("computed_prompt_tokens", "prompt tokens run through the model", kv.computed_prompt_tokens)
+        yield _counter("preemptions", "sequences preempted (to be recomputed) when the KV cache ran out",
+                       s.preemptions)
         yield from _per_tenant(kv.tenants, self._tenants)
         last = GaugeMetricFamily(_P + "attention_schedule", "the attention schedule of the latest step "
                                  "(1 for the one in use)", labels=["schedule"])
