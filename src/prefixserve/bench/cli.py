@@ -1,11 +1,11 @@
-"""`prefixserve bench kernels | throughput | serve | side-channel`: each a module with `register(subparsers)`."""
+"""`prefixserve bench kernels | throughput | serve | side-channel | eviction`: each a module with `register(subparsers)`."""
 
 from __future__ import annotations
 
 import importlib
 
 BENCHMARKS = ("prefixserve.bench.kernels", "prefixserve.bench.throughput", "prefixserve.bench.serving",
-              "prefixserve.bench.side_channel")
+              "prefixserve.bench.side_channel", "prefixserve.bench.eviction")
 
 
 def register(sub) -> None:
