@@ -1,15 +1,15 @@
-"""`prefixserve bench kernels | moe | throughput | serve | side-channel`: each a module with `register(subparsers)`."""
+"""`prefixserve bench kernels | moe | throughput | serve | side-channel | eviction`: each a module with `register(subparsers)`."""
 
 from __future__ import annotations
 
 import importlib
 
 BENCHMARKS = ("prefixserve.bench.kernels", "prefixserve.bench.moe", "prefixserve.bench.throughput",
-              "prefixserve.bench.serving", "prefixserve.bench.side_channel")
+              "prefixserve.bench.serving", "prefixserve.bench.side_channel", "prefixserve.bench.eviction")
 
 
 def register(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: attention kernels, MoE op, offline throughput, online serving",
+    bench = sub.add_parser("bench", help="benchmarks: attention kernels, MoE op, offline throughput, online serving, side channel, eviction",
                            description="Benchmarks. Each prints a short table and writes JSON + PNG "
                                        "under benchmarks/results/, named by workload, model and hardware.")
     bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")

@@ -14,6 +14,14 @@ References. `ref` counts the holders (running sequences) whose path passes throu
 *cached*: with prefix caching on it stays, truncated to its computed tokens, until evicted
 least-recently-used when a chunk is needed; with caching off it is freed at once.
 
+Eviction. The victim is always the cached *leaf* (no ref, no pins, no children) with the
+smallest (last_use, id): `last_use` is the clock of the last ref change on the node's path.
+A heap of (last_use, id) holds every evictable leaf, pushed when it becomes one; entries are
+never removed in place, but checked on pop (the node may be gone, referenced, pinned or have a
+child since; its key cannot change while it stays evictable). Only two events make a leaf
+evictable: `_cleanup` keeping a trimmed leaf (release, unpin) and an eviction leaving its parent
+childless. So an allocation costs O(victims x log heap), not a scan of every node per chunk.
+
 Matching is automatic and at token granularity. Tokens are matched whether computed or not
 (in-batch sharing: a request admitted beside another with the same prefix waits for it rather
 than computing the prefix again); the scheduler derives what is computed from `num_computed`.
@@ -34,6 +42,7 @@ parent's index until resolved.
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from typing import Iterator, NamedTuple
 
@@ -140,6 +149,7 @@ class PrefixTree:
         self.root = Node(0, None, [], 0, [], 0)
         self.nodes: dict[int, Node] = {}
         self._holders: Counter[Node] = Counter()
+        self._lru: list[tuple[int, int]] = []  # a heap of (last_use, id): every evictable leaf, and stale entries
         self._next_id, self._clock = 1, 0
         self.version = 0  # bumped when a node is added, split, trimmed or removed (not extended)
 
@@ -329,30 +339,61 @@ class PrefixTree:
         return node
 
     def _alloc_many(self, n: int) -> list[int]:
-        got = []
-        try:
-            for _ in range(n):
-                while not self.pool.num_free:
-                    if not self._evict_one():
-                        raise OutOfChunks
-                got.append(self.pool.allocate())
-        except OutOfChunks:
+        """n chunks: the free ones first, then what one `evict` frees. Raises OutOfChunks with
+        the free stack as it was (the evictions stay)."""
+        got = [self.pool.allocate() for _ in range(min(n, self.pool.num_free))]
+        if len(got) < n and self.evict(n - len(got)) < n - len(got):
             for c in reversed(got):  # restores the free stack exactly
                 self.pool.free(c)
-            raise
-        return got
+            raise OutOfChunks
+        return got + [self.pool.allocate() for _ in range(n - len(got))]
 
-    def _evict_one(self) -> bool:
-        victims = [n for n in self.nodes.values() if not (n.ref or n.pins or n.children)]
-        if not victims:
-            return False
-        self._remove(min(victims, key=lambda n: (n.last_use, n.id)))
-        return True
+    def evict(self, n: int) -> int:
+        """Evict cached leaves, least recently used first, until they freed n chunks or none is
+        left; returns the chunks freed. A parent left childless is a candidate in its turn. The
+        chunks go back to the pool last victim first, so it hands out the first victim's first."""
+        victims, freed = [], 0
+        while freed < n and (node := self._pop_lru()) is not None:
+            self._unlink(node)
+            victims.append(node)
+            freed += len(node.owned_chunks)
+            self._queue_if_evictable(node.parent)
+        for node in reversed(victims):
+            for c in node.owned_chunks:
+                self.pool.free(c)
+        return freed
+
+    @staticmethod
+    def _evictable(node: Node) -> bool:
+        return not (node.ref or node.pins or node.children)
+
+    def _queue_if_evictable(self, node: Node) -> None:
+        """Push `node` on the LRU heap if it is an evictable leaf; rebuild the heap by a scan
+        once stale entries outnumber the nodes (amortised O(1) per push)."""
+        if node is self.root or not self._evictable(node):
+            return
+        heapq.heappush(self._lru, (node.last_use, node.id))
+        if len(self._lru) > 2 * len(self.nodes) + 64:
+            self._lru = [(n.last_use, n.id) for n in self.nodes.values() if self._evictable(n)]
+            heapq.heapify(self._lru)
+
+    def _pop_lru(self) -> Node | None:
+        """The least recently used evictable leaf, off the heap; stale entries are dropped."""
+        while self._lru:
+            last_use, node_id = heapq.heappop(self._lru)
+            node = self.nodes.get(node_id)
+            if node is not None and node.last_use == last_use and self._evictable(node):
+                return node
+        return None
 
     def _remove(self, node: Node) -> None:
-        self.version += 1
         for c in node.owned_chunks:
             self.pool.free(c)
+        self._unlink(node)
+
+    def _unlink(self, node: Node) -> None:
+        """Take `node` out of the tree, leaving its chunks to the caller."""
+        self.version += 1
         parent = node.parent
         parent.children.remove(node)
         if node.listed:
@@ -376,6 +417,7 @@ class PrefixTree:
                 break
             if self.caching and node.listed and node.num_computed:
                 self._truncate(node, node.num_computed)
+                self._queue_if_evictable(node)
                 break
             self._remove(node)
             node = parent
@@ -430,6 +472,16 @@ class PrefixTree:
                 below[node.id] += count
         for node in self.nodes.values():
             self._check_node(node, below[node.id])
+        self._check_lru()
+
+    def _check_lru(self) -> None:
+        """The heap holds every evictable leaf (found by a scan) under its current key, in heap
+        order: so its first live entry is the scan's least recently used leaf."""
+        leaves = {(n.last_use, n.id) for n in self.nodes.values() if self._evictable(n)}
+        missing = leaves - set(self._lru)
+        assert not missing, f"evictable leaves missing from the LRU heap: {sorted(missing)[:5]}"
+        h = self._lru
+        assert all(h[(i - 1) // 2] <= h[i] for i in range(1, len(h))), "the LRU heap is out of order"
 
     def _check_node(self, node: Node, holders: int) -> None:
         assert node.ref == holders, f"{node} ref {node.ref} != holders {holders}"
