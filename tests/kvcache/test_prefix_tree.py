@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixserve.kvcache.chunk_pool import ChunkPool, OutOfChunks
 from prefixserve.kvcache.prefix_tree import DEFAULT, PENDING, PUBLIC, Partition, PrefixTree

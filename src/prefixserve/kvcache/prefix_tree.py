@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 from .chunk_pool import ChunkPool, OutOfChunks
 
@@ -66,7 +67,7 @@ class Node:
     __slots__ = ("id", "parent", "children", "index", "tokens", "offset", "_chunks", "_chunk_tuple",
                  "pos_start", "num_computed", "ref", "pins", "last_use", "tail_child", "listed", "partition")
 
-    def __init__(self, node_id: int, parent: "Node | None", tokens: list[int], offset: int,
+    def __init__(self, node_id: int, parent: Node | None, tokens: list[int], offset: int,
                  chunks: list[int], pos_start: int, partition: Partition = PUBLIC):
         self.id, self.parent, self.tokens, self.partition = node_id, parent, tokens, partition
         self.offset, self.chunks, self.pos_start = offset, chunks, pos_start
@@ -77,12 +78,19 @@ class Node:
         self.listed = True
 
     @property
+    def up(self) -> Node:
+        """The parent of a node in the tree: every node but the (virtual) root has one."""
+        assert self.parent is not None, "the root has no parent"
+        return self.parent
+
+    @property
     def chunks(self) -> list[int]:
         return self._chunks
 
     @chunks.setter
     def chunks(self, value: list[int]) -> None:
-        self._chunks, self._chunk_tuple = value, ()
+        self._chunks = value
+        self._chunk_tuple: tuple[int, ...] = ()
 
     def chunk_tuple(self) -> tuple[int, ...]:
         """`chunks` as a tuple, rebuilt only when they changed (they only grow in place): the
@@ -109,7 +117,7 @@ class Node:
         s = self.offset + j
         return self.chunks[s // chunk_size] * chunk_size + s % chunk_size
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Node({self.id}, pos={self.pos_start}, len={len(self.tokens)}, ref={self.ref})"
 
 
@@ -159,7 +167,7 @@ class PrefixTree:
         out = []
         while leaf is not self.root:
             out.append(leaf)
-            leaf = leaf.parent
+            leaf = leaf.up
         return out[::-1]
 
     def segments(self, leaf: Node, end: int) -> list[PathSegment]:
@@ -199,7 +207,7 @@ class PrefixTree:
                 if node.num_computed >= new:
                     break
                 node.num_computed = new
-            node = node.parent
+            node = node.up
 
     # ---- admission and growth ----------------------------------------------------------------
     def insert(self, tokens: list[int], match_limit: int,
@@ -237,8 +245,8 @@ class PrefixTree:
         j = pos - leaf.pos_start
         assert leaf.tokens[j] == PENDING, (leaf, pos)
         leaf.tokens[j] = token
-        if j == 0 and leaf.key not in leaf.parent.index:
-            leaf.parent.index[leaf.key] = leaf
+        if j == 0 and leaf.key not in leaf.up.index:
+            leaf.up.index[leaf.key] = leaf
             leaf.listed = True
 
     def release(self, leaf: Node) -> None:
@@ -294,7 +302,7 @@ class PrefixTree:
     def _split(self, node: Node, k: int) -> Node:
         """Cut `node` after its k-th token; the new upper node is returned, `node` keeps the rest
         (so the leaf pointers that holders keep stay valid)."""
-        parent, C, cut = node.parent, self.C, node.offset + k
+        parent, C, cut = node.up, self.C, node.offset + k
         up = self._new_node(parent, node.tokens[:k], node.offset, node.chunks[:(cut - 1) // C + 1],
                             node.pos_start, node.partition, listed=node.listed, register=False)
         up.num_computed, up.ref, up.pins, up.last_use = min(k, node.num_computed), node.ref, node.pins, node.last_use
@@ -326,7 +334,8 @@ class PrefixTree:
             parent.tail_child = node
         return node
 
-    def _new_node(self, parent, tokens, offset, chunks, pos_start, partition, listed, register) -> Node:
+    def _new_node(self, parent: Node, tokens: list[int], offset: int, chunks: list[int], pos_start: int,
+                  partition: Partition, listed: bool, register: bool) -> Node:
         node = Node(self._next_id, parent, tokens, offset, chunks, pos_start, partition)
         self._next_id += 1
         self.version += 1
@@ -357,7 +366,7 @@ class PrefixTree:
             self._unlink(node)
             victims.append(node)
             freed += len(node.owned_chunks)
-            self._queue_if_evictable(node.parent)
+            self._queue_if_evictable(node.up)
         for node in reversed(victims):
             for c in node.owned_chunks:
                 self.pool.free(c)
@@ -394,7 +403,7 @@ class PrefixTree:
     def _unlink(self, node: Node) -> None:
         """Take `node` out of the tree, leaving its chunks to the caller."""
         self.version += 1
-        parent = node.parent
+        parent = node.up
         parent.children.remove(node)
         if node.listed:
             del parent.index[node.key]
@@ -412,7 +421,7 @@ class PrefixTree:
     def _cleanup(self, node: Node) -> None:
         """Free or trim the unreferenced, unpinned, childless nodes from `node` upwards."""
         while node is not self.root:
-            parent = node.parent
+            parent = node.up
             if node.ref or node.pins or node.children:
                 break
             if self.caching and node.listed and node.num_computed:
@@ -465,7 +474,7 @@ class PrefixTree:
         assert all(v == 1 for v in free.values()), "a chunk is twice on the free list"
         assert not (set(owners) & set(free)), "a chunk is both free and owned"
         assert len(owners) + len(free) == self.pool.num_chunks, "chunks leaked"
-        below = Counter()
+        below: Counter[int] = Counter()
         for leaf, count in self._holders.items():
             assert count > 0
             for node in self.path(leaf):
