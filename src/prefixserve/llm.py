@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -22,7 +23,7 @@ class LLM:
     `pinned_prefixes`: prompts (text or token ids) prefilled once at start and never evicted
     (public: every cache salt reads them)."""
 
-    def __init__(self, model: str | None = None, *, pinned_prefixes: Sequence[Prompt] = (), **kwargs):
+    def __init__(self, model: str | None = None, *, pinned_prefixes: Sequence[Prompt] = (), **kwargs: Any):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
         self._ids = itertools.count()
         for prefix in pinned_prefixes:
@@ -35,10 +36,10 @@ class LLM:
     def __enter__(self) -> LLM:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -47,15 +48,14 @@ class LLM:
         """Generate for each prompt (text or token ids); outputs in the order of the prompts.
         `cache_salt` (one for all, or one per prompt): prompts share cached prefixes only with
         prompts of the same salt, and with public pins."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _as_batch(prompts)
         params = sampling_params or SamplingParams()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         salts = [cache_salt] * len(prompts) if isinstance(cache_salt, str) else list(cache_salt)
         for name, given in (("sampling params", params), ("cache salts", salts)):
             if len(given) != len(prompts):
                 raise ValueError(f"got {len(given)} {name} for {len(prompts)} prompts")
-        ids = []
+        ids: list[str] = []
         try:
             for prompt, p, salt in zip(prompts, params, salts, strict=True):
                 ids.append(str(next(self._ids)))
@@ -66,7 +66,8 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def chat(self, messages: Conversation | Sequence[Conversation], sampling_params=None,
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -101,3 +102,11 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [done[i] for i in ids]
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text, or token ids), or a sequence of prompts -> the list of prompts."""
+    # The casts state what the item check proves (mypy narrows on isinstance of the whole only).
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [cast(Prompt, prompts)]  # text, or token ids: one prompt
+    return list(cast(Sequence[Prompt], prompts))

@@ -136,7 +136,7 @@ def test_stop_result_independent_of_delta_cuts():
     rng = random.Random(0)
     for _ in range(200):
         cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 12)))
-        deltas = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        deltas = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)], strict=True)]
         emitted, kept, stop_str = stream_with_stops(deltas, stop, include=True)
         assert (kept, stop_str) == expected
         assert emitted == kept

@@ -24,10 +24,10 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' modules import triton
 pytest.importorskip("triton")
 
-from prefixserve import LLM, SamplingParams  # noqa: E402
-from prefixserve.attention.backends import scheduled  # noqa: E402
-from prefixserve.attention.ops.triton import attend, kernels, merge, store  # noqa: E402
-from prefixserve.engine.cuda_graphs import DecodeGraphs, buckets  # noqa: E402
+from prefixserve import LLM, SamplingParams
+from prefixserve.attention.backends import scheduled
+from prefixserve.attention.ops.triton import attend, kernels, merge, store
+from prefixserve.engine.cuda_graphs import DecodeGraphs, buckets
 
 TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -153,7 +153,7 @@ class RecordingGraphs(DecodeGraphs):
         if entry is not None and entry[0] == generation:
             self.replays += 1
             assert len(log) == len(entry[1]), (rows, generation, [x[0] for x in log], [x[0] for x in entry[1]])
-            for now, then in zip(log, entry[1]):
+            for now, then in zip(log, entry[1], strict=True):
                 assert now == then, f"bucket {rows}, generation {generation}: {now} != captured {then}"
         else:
             self.graphs[rows] = (generation, log)

@@ -20,7 +20,7 @@ MIXED = [  # greedy forks, eos stops, stop strings, seeded draws, logprobs, min_
 def _run(engine, prompts, params, abort_at=None):
     """Step to the end; -> (outputs by request, steps that ended with a step still in flight)."""
     ids = [f"r{i}" for i in range(len(prompts))]
-    for rid, prompt, p in zip(ids, prompts, params):
+    for rid, prompt, p in zip(ids, prompts, params, strict=True):
         engine.add_request(rid, prompt, p)
     done, overlapped, steps = {}, 0, 0
     while engine.has_unfinished():

@@ -114,7 +114,7 @@ def run_steps(rows: list[Row], watch: int, steps: int = 12, vocab: int = 64) -> 
     sampler = Sampler((EOS,))
     for _ in range(steps):
         logits = torch.randn(vocab, generator=logits_rng).expand(len(rows), -1).contiguous()
-        for row, token in zip(rows, sampler.sample(logits, rows).token_ids):
+        for row, token in zip(rows, sampler.sample(logits, rows).token_ids, strict=True):
             row.output_token_ids.append(token)
     return rows[watch].output_token_ids
 

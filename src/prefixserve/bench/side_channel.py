@@ -136,7 +136,7 @@ def _report(series: dict[str, list[float]]) -> dict:
     probe, control, cached = series["probe"], series["control"], series["cached"]
     return {"probe": summary(probe), "control": summary(control), "cached": summary(cached),
             "mann_whitney": mann_whitney(probe, control), "ks_distance": ks_distance(probe, control),
-            "paired_median_difference": statistics.median(p - c for p, c in zip(probe, control)),
+            "paired_median_difference": statistics.median(p - c for p, c in zip(probe, control, strict=True)),
             "within_tenant_ratio": statistics.median(control) / statistics.median(cached)}
 
 
@@ -144,7 +144,7 @@ def _plot(doc: dict, path) -> None:
     from .plots import _pyplot
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, part, unit in zip(axes, ("ttft", "tpot"), ("time to first token", "time per output token")):
+    for ax, part, unit in zip(axes, ("ttft", "tpot"), ("time to first token", "time per output token"), strict=True):
         raw = doc["raw"][part]
         for name, color in (("probe", "tab:red"), ("control", "tab:blue"), ("cached", "tab:green")):
             xs = sorted(v * 1e3 for v in raw[name])

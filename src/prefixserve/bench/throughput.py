@@ -20,10 +20,13 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import results as R
 from . import workloads as W
+
+if TYPE_CHECKING:
+    from ..engine.request import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +116,11 @@ def _add_comparisons(entries: list[dict], outputs: dict[str, list], greedy: bool
             e["cpu_time_" + key] = R.ratio(e["output_tokens_per_cpu_s"], o.get("output_tokens_per_cpu_s"))
             e[key] = R.ratio(e["output_tokens_per_s"], o.get("output_tokens_per_s"))
             e["decode_" + key] = R.ratio(e["decode_tokens_per_s"], o.get("decode_tokens_per_s"))
-        compare = greedy and ref is not None and e["config"] in exact and e["config"] != ref
-        mismatched = sum(a != b for a, b in zip(outputs[e["config"]], outputs[ref])) if compare else None
-        e.update(identical_to=ref if compare else None, mismatched_sequences=mismatched,
+        against = ref if greedy and e["config"] in exact and e["config"] != ref else None
+        # one workload: every config returns one output per sequence, in the same order
+        mismatched = (None if against is None
+                      else sum(a != b for a, b in zip(outputs[e["config"]], outputs[against], strict=True)))
+        e.update(identical_to=against, mismatched_sequences=mismatched,
                  identical_outputs=None if mismatched is None else mismatched == 0)
 
 
@@ -160,9 +165,11 @@ def _timed_run(engine, wl: W.Workload, progress: bool, desc: str) -> tuple[dict,
     from tqdm.auto import tqdm
     before = engine.stats()
     ids = [f"bench-{i}" for i in range(len(wl.prompts))]
-    for rid, prompt, params in zip(ids, wl.prompts, wl.params):
+    for rid, prompt, params in zip(ids, wl.prompts, wl.params, strict=True):
         engine.add_request(rid, prompt, params)
-    clock, seen, done, generated = _Clock(computed=before.kv.computed_prompt_tokens), {}, {}, 0
+    seen: dict[str, int] = {}  # request id -> tokens read so far
+    done: dict[str, RequestOutput] = {}  # request id -> its finished output
+    clock, generated = _Clock(computed=before.kv.computed_prompt_tokens), 0
     bar = tqdm(total=wl.output_tokens, desc=f"{desc:>13}", unit="tok", disable=not progress, leave=False)
     start, cpu_start = time.perf_counter(), time.process_time()
     while engine.has_unfinished():
@@ -177,7 +184,7 @@ def _timed_run(engine, wl: W.Workload, progress: bool, desc: str) -> tuple[dict,
     return _metrics(wl, clock, elapsed, generated, before, after, engine.chunk_size), outputs
 
 
-def _step(engine, clock: _Clock, seen: dict[str, int], done: dict) -> int:
+def _step(engine, clock: _Clock, seen: dict[str, int], done: dict[str, RequestOutput]) -> int:
     """One engine step, timed and classified; -> tokens read in it. Not synchronized: with
     overlapped scheduling a step returns while the next runs, and its wall time is the
     device's step time whenever the host keeps up."""
@@ -286,10 +293,10 @@ def _sweep_lines(args) -> list[dict]:
 
 
 def _build(args, src: W.TokenSource, point: dict) -> W.Workload:
-    gen = args.gen_len or _DEFAULT_GEN_LEN.get(args.workload)
     if args.workload == "sharegpt":
         return W.sharegpt(src, point["system_prompt_len"], args.num_prompts, args.max_output_len,
                           args.max_prompt_len, args.dataset_seed)
+    gen: int = args.gen_len or _DEFAULT_GEN_LEN[args.workload]
     if args.workload == "synthetic":
         return W.synthetic(src, point["system_prompt_len"], args.num_prompts, args.prompt_len, gen)
     if args.workload == "multi-sample":

@@ -27,7 +27,8 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from ..sampling_params import SamplingParams
 from .engine import STEP_ERROR, EngineStats, LLMEngine
@@ -36,6 +37,8 @@ from .request import RequestOutput
 log = logging.getLogger(__name__)
 
 SNAPSHOT_INTERVAL_S = 0.2
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -62,7 +65,7 @@ class RequestStream:
     """The outputs of one request, as an async iterator; ends after the finished output.
     Raises `RequestAborted` if the request was aborted, `EngineDeadError` if the engine died."""
 
-    def __init__(self, request_id: str, engine: "AsyncEngine", loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, engine: AsyncEngine, loop: asyncio.AbstractEventLoop):
         self.request_id, self._engine, self.loop = request_id, engine, loop
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
@@ -70,7 +73,7 @@ class RequestStream:
     def _put(self, item: RequestOutput | BaseException) -> None:  # on the event loop
         self._queue.put_nowait(item)
 
-    def __aiter__(self):
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -98,7 +101,8 @@ class AsyncEngine:
         self.tokenizer, self.model_name = engine.tokenizer, engine.model_name
         self.max_model_len = engine.max_model_len
         self.backend_name = engine.backend_name
-        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future | None]] = \
+        # (command, the future of its result; None: fire and forget)
+        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future[Any] | None]] = \
             collections.deque()
         self._lock = threading.Lock()  # guards _commands' closing: no command is queued after the last drain
         self._stopped = False
@@ -164,7 +168,7 @@ class AsyncEngine:
         return await self._start(request_id, lambda: self._engine.add_request(
             request_id, prompt, params, tenant=tenant, cache_salt=cache_salt))
 
-    async def pin(self, pin_id: str, prompt: list[int], **kwargs) -> dict:
+    async def pin(self, pin_id: str, prompt: list[int], **kwargs: Any) -> dict[str, Any]:
         """Pin a prefix (LLMEngine.add_pin's keywords) and wait until it is settled; its info().
         ValueError: refused (quota, bad ttl, or no room: then nothing is pinned)."""
         stream = await self._start(pin_id, lambda: self._engine.add_pin(pin_id, prompt, **kwargs))
@@ -177,14 +181,14 @@ class AsyncEngine:
                              f"prefixes and the requests that may run")
         return await asyncio.wrap_future(self._call(lambda: self._pin_info(pin_id)))
 
-    async def unpin(self, pin_id: str, owner: str | None) -> dict:
+    async def unpin(self, pin_id: str, owner: str | None) -> dict[str, Any]:
         """Remove the owner's pin (None: anyone's); ValueError if there is none."""
         return await asyncio.wrap_future(self._call(lambda: self._engine.unpin(pin_id, owner).info()))
 
-    async def list_pins(self, owner: str | None) -> list[dict]:
+    async def list_pins(self, owner: str | None) -> list[dict[str, Any]]:
         return await asyncio.wrap_future(self._call(lambda: [p.info() for p in self._engine.list_pins(owner)]))
 
-    def _pin_info(self, pin_id: str) -> dict:
+    def _pin_info(self, pin_id: str) -> dict[str, Any]:
         pin = self._engine.pins.pins.get(pin_id)
         if pin is None:
             raise ValueError(f"the pin {pin_id!r} expired before it could be reported: give a longer ttl")
@@ -209,14 +213,14 @@ class AsyncEngine:
         return await asyncio.wait_for(asyncio.wrap_future(self._call(self._inspect)), timeout)
 
     # ---- helpers ----------------------------------------------------------------------------------
-    def _call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+    def _call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         if self._closing:
             raise EngineDeadError(self.health(0.0) or "engine is not running")
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._submit(fn, future)
         return future
 
-    def _submit(self, fn: Callable[[], Any], future: concurrent.futures.Future | None = None) -> None:
+    def _submit(self, fn: Callable[[], Any], future: concurrent.futures.Future[Any] | None = None) -> None:
         with self._lock:
             if self._stopped:
                 if future is not None:
@@ -236,7 +240,7 @@ class AsyncEngine:
                 else:
                     self._publish(force=True)
                     self._wake.wait()
-        except BaseException as e:  # noqa: BLE001 - reported through health and every stream
+        except BaseException as e:  # reported through health and every stream
             log.exception("engine step failed; the engine is stopped")
             self._error = e
             self._fail_all(EngineDeadError(f"engine failed: {e!r}"))
@@ -256,7 +260,7 @@ class AsyncEngine:
             elif future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn())
-                except Exception as e:  # noqa: BLE001 - handed to the caller
+                except Exception as e:  # handed to the caller
                     future.set_exception(e)
         return True
 

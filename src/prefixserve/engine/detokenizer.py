@@ -21,7 +21,7 @@ streaming (as vLLM): text before a stop string may already have been sent, but n
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prefixserve.sampling_params import Logprob
@@ -62,14 +62,15 @@ class IncrementalDetokenizer:
         return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
 
 
-def _decoder(tokenizer: Any):
+def _decoder(tokenizer: Any) -> Callable[..., str]:
     """`tokenizer.decode`, or the Rust tokenizer's own decode where that is all it does (a fast
     tokenizer without clean-up of spaces): the Python wrapper costs ~4x the decode itself, and
     a decode step calls this twice per sequence."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return tokenizer.decode
-    return backend.decode
+    decode: Callable[..., str] = tokenizer.decode
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        decode = backend.decode
+    return decode
 
 
 def with_decoded_tokens(tokenizer: Any, logprobs: dict[int, Logprob]) -> dict[int, Logprob]:

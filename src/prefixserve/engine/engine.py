@@ -32,6 +32,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ from ..config import EngineConfig, ModelConfig
 from ..kvcache.prefix_tree import PUBLIC, Partition, PrefixTree
 from ..model import loader
 from ..model.parallel import TPGroup, check_divides
-from ..sampling_params import SamplingParams
+from ..sampling_params import Logprob, SamplingParams
 from .detokenizer import with_decoded_tokens
 from .model_runner import Launched, ModelRunner, StepTiming
 from .pins import Pin, PinTable
@@ -272,9 +273,10 @@ class LLMEngine:
             self.pins.discard_pending(pin_id)
             raise
 
-    def pin_prefix(self, prompt: str | list[int], **kwargs) -> Pin:
-        """`add_pin`, then step until it is settled (offline use and start-up: nothing else may be
-        in flight, as this drops other requests' outputs). Raises ValueError if refused."""
+    def pin_prefix(self, prompt: str | list[int], **kwargs: Any) -> Pin:
+        """`add_pin` (`kwargs`: its keywords), then step until it is settled (offline use and
+        start-up: nothing else may be in flight, as this drops other requests' outputs). Raises
+        ValueError if refused."""
         pin_id = f"pin-{next(self._seq_ids)}"
         req = self.add_pin(pin_id, prompt, **kwargs)
         while not req.finished:
@@ -290,7 +292,7 @@ class LLMEngine:
         pin = self.pins.pins.get(pin_id)
         if pin is None or owner is not None and pin.owner != owner:
             raise ValueError(f"no pinned prefix {pin_id!r}")
-        if pin.active:
+        if pin.leaf is not None:  # active
             del self.pins.pins[pin_id]
             self.scheduler.unpin(pin.leaf)
         else:
@@ -302,7 +304,7 @@ class LLMEngine:
         plus one spare chunk, fit in the pool."""
         C = self.pool.chunk_size
         live = (s for s in self.scheduler.live() if not s.request.prefill_only)
-        need = max((-(-(len(s.prompt_token_ids) + s.params.max_tokens) // C) for s in live), default=1)
+        need = max((-(-(len(s.prompt_token_ids) + s.max_tokens) // C) for s in live), default=1)
         return self.scheduler.pinned_chunks + extra_chunks + need + 1 <= self.pool.num_chunks
 
     def _settle_pins(self) -> list[RequestOutput]:
@@ -358,12 +360,15 @@ class LLMEngine:
     def _tenant_usage(self) -> tuple[TenantUsage, ...]:
         pinned = self.pins.pinned_tokens_by_owner()
         counts = self.scheduler.tenant_tokens
-        return tuple(TenantUsage(t, *counts.get(t, (0, 0)), pinned.get(t, 0))
-                     for t in sorted(counts.keys() | pinned.keys()))
+        usage = []
+        for t in sorted(counts.keys() | pinned.keys()):
+            prompt_tokens, cached_tokens = counts.get(t, (0, 0))
+            usage.append(TenantUsage(t, prompt_tokens, cached_tokens, pinned.get(t, 0)))
+        return tuple(usage)
 
     def check_integrity(self) -> None:
         pins = self.pins.pins.values()
-        self.scheduler.check_integrity(p.leaf for p in pins if p.active)
+        self.scheduler.check_integrity(p.leaf for p in pins if p.leaf is not None)
         for pin in pins:
             assert pin.active or pin.id in self.requests, f"pending pin {pin.id} has no request"
 
@@ -397,12 +402,13 @@ class LLMEngine:
                 self._penalized.discard(out.request_id)
         return outputs
 
-    def _postprocess(self, seq: Sequence, token: int, logprobs) -> str | None:
+    def _postprocess(self, seq: Sequence, token: int, logprobs: dict[int, Logprob] | None) -> str | None:
         """A token read for `seq`: logprobs, detokenization; -> its finish reason, if it stops."""
         req = seq.request
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         if seq.logprobs is not None:
+            assert logprobs is not None, "the sampler ranks every row that asks for logprobs"
             seq.logprobs.append(with_decoded_tokens(self.tokenizer, logprobs) if self.tokenizer else logprobs)
         delta = seq.detok.append(token) if seq.detok else ""
         return check_stop(seq, token, delta, self.eos_token_ids, self.max_model_len)

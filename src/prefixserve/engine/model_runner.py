@@ -23,9 +23,13 @@ import torch
 from ..attention.base import AttentionBatch, Segment, SeqQueries
 from ..kvcache.prefix_tree import PENDING, PrefixTree
 from .request import Sequence
-from .sampler import DeviceSample, Sampler, SampleOutput
+from .sampler import DeviceSample, SampleOutput, Sampler
 from .scheduler import SchedulerOutput
 from .workers import RankState, Workers
+
+# One step's inputs: input ids [T] (host), positions [T], the attention batch, the rows whose
+# logits are sampled. Also what tensor-parallel workers are sent.
+StepInputs = tuple[torch.Tensor, torch.Tensor, AttentionBatch, list[int]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,15 +51,15 @@ class Launched:
     rows: list[Sequence]  # the sequences of the sampled rows, in row order
     sampled: DeviceSample | None  # None: the step samples nothing
     num_rows: int  # query rows
-    events: tuple | None = None  # profiling: CUDA (start, end) events
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # profiling: CUDA (start, end) events
 
 
 class ModelRunner:
     def __init__(self, rank: RankState, tree: PrefixTree, sampler: Sampler, workers: Workers | None):
         self.rank, self.tree, self.sampler, self.workers = rank, tree, sampler, workers
-        self._last: tuple | None = None  # (sequence ids, tree version) of the last decode step
+        self._last: tuple[tuple[int, ...], int] | None = None  # (sequence ids, tree version) of the last decode step
         self._prev: tuple[tuple[int, ...], torch.Tensor] | None = None  # last launch: (seq ids of its rows, sampled [B])
-        self._prev_end = None  # profiling: the last launch's end event
+        self._prev_end: torch.cuda.Event | None = None  # profiling: the last launch's end event
         self.advanced_steps = 0  # decode steps sent as advanced batches (for tests and profiles)
         self.profile = False  # CUDA: time each step into `timing` (events; no extra sync)
         self.timing: StepTiming | None = None
@@ -66,7 +70,9 @@ class ModelRunner:
             self.workers.broadcast((ids, positions, batch, sample_rows))
         events = None
         if self.profile and self.rank.device.type == "cuda":
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            # torch's Event.__new__ is unannotated
+            events = (torch.cuda.Event(enable_timing=True),  # type: ignore[no-untyped-call]
+                      torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]
             events[0].record()
         logits = self.rank.forward(self._fill_pending(ids, sched), positions, batch, sample_rows)
         rows = [g.seq for g in sched.seqs if g.sample]
@@ -98,7 +104,8 @@ class ModelRunner:
     def _fill_pending(self, ids: torch.Tensor, sched: SchedulerOutput) -> torch.Tensor:
         """ids [T] (host) -> the step's input ids, each PENDING one replaced on the device by
         the last launch's sample of its sequence. Only a grant's last token can be pending."""
-        at, seq_ids = [], []
+        at: list[int] = []  # rows of the pending tokens
+        seq_ids: list[int] = []  # their sequences
         q = 0
         for g in sched.seqs:
             q += g.num_tokens
@@ -107,6 +114,7 @@ class ModelRunner:
                 seq_ids.append(g.seq.seq_id)
         if not at:
             return ids
+        assert self._prev is not None, "a pending token was sampled by the last launch"
         prev_ids, prev_tokens = self._prev
         if len(at) == len(ids) and tuple(seq_ids) == prev_ids:  # a decode step of the same rows
             return prev_tokens
@@ -116,7 +124,7 @@ class ModelRunner:
         out[self.rank.upload(torch.tensor(at))] = prev_tokens[self.rank.upload(src)]
         return out
 
-    def prepare(self, sched: SchedulerOutput):
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
         """-> input ids [T], positions [T], the AttentionBatch, rows whose logits are sampled."""
         decode = all(g.num_tokens == 1 and g.sample for g in sched.seqs)
         key = (tuple(g.seq.seq_id for g in sched.seqs), self.tree.version) if decode else None
@@ -125,24 +133,29 @@ class ModelRunner:
         self.advanced_steps += advance
         return self._advance(sched) if advance else self._full(sched)
 
-    def _advance(self, sched: SchedulerOutput):
+    def _advance(self, sched: SchedulerOutput) -> StepInputs:
         """The last step's sequences, each one token further: only the new tokens and slots."""
         C = self.rank.pool.chunk_size
         ids = [g.seq.tokens_from(g.start, g.start + 1)[0] for g in sched.seqs]
         positions = [g.start for g in sched.seqs]
-        slots = [self.tree.slot(g.seq.leaf, g.start) for g in sched.seqs]
+        slots = [self.tree.slot(g.seq.held_leaf, g.start) for g in sched.seqs]
         batch = AttentionBatch((), C, torch.tensor(slots, dtype=torch.int64), advance=True)
         return torch.tensor(ids), torch.tensor(positions), batch, list(range(len(ids)))
 
-    def _full(self, sched: SchedulerOutput):
-        ids, positions, slots, seqs, sample_rows, pinned = [], [], [], [], [], set()
+    def _full(self, sched: SchedulerOutput) -> StepInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seqs: list[SeqQueries] = []
+        sample_rows: list[int] = []
+        pinned: set[int] = set()  # ids of the pinned nodes on the step's paths
         C = self.rank.pool.chunk_size
         for g in sched.seqs:
             q_start, end = len(ids), g.start + g.num_tokens
             ids += g.seq.tokens_from(g.start, end)
             positions += range(g.start, end)
-            segments = []
-            for s in self.tree.segments(g.seq.leaf, end):
+            segments: list[Segment] = []
+            for s in self.tree.segments(g.seq.held_leaf, end):
                 segments.append(Segment(s.node_id, s.pos_start, s.length, s.chunks, s.offset))
                 slots += s.slots(g.start, C)
                 if s.pinned:

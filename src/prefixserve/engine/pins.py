@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 from ..kvcache.prefix_tree import PUBLIC, Node, Partition
 
@@ -41,7 +42,7 @@ class Pin:
     def active(self) -> bool:
         return self.leaf is not None
 
-    def info(self) -> dict:
+    def info(self) -> dict[str, Any]:
         """What the HTTP API shows of it."""
         return {"id": self.id, "object": "prefix", "owner": self.owner, "public": self.public,
                 "tokens": len(self.token_ids), "created_at": self.created_at, "expires_at": self.expires_at,

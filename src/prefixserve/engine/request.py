@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from typing import Any
 
 from ..kvcache.prefix_tree import DEFAULT, PENDING, Node, Partition
 from ..sampling_params import Logprob, SamplingParams
@@ -28,7 +29,8 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, seq_id: int, request: "Request", index: int, tokenizer):
+    def __init__(self, seq_id: int, request: Request, index: int, tokenizer: Any) -> None:
+        """tokenizer: a Hugging Face tokenizer, or None (no text: token ids only)."""
         self.seq_id, self.request, self.index = seq_id, request, index
         self.params: SamplingParams = request.params
         self.prompt_token_ids: list[int] = request.prompt_token_ids
@@ -44,6 +46,12 @@ class Sequence:
         self.detok = IncrementalDetokenizer(tokenizer, self.prompt_token_ids,
                                             self.params.skip_special_tokens) if tokenizer else None
         self.text = ""
+
+    @property
+    def held_leaf(self) -> Node:
+        """`leaf` where the sequence must hold a path (it is running)."""
+        assert self.leaf is not None, f"sequence {self.seq_id} holds no path"
+        return self.leaf
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +73,12 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def max_tokens(self) -> int:
+        """`params.max_tokens`, which the engine resolves (never None) when it adds the request."""
+        assert self.params.max_tokens is not None, "max_tokens is resolved when the request is added"
+        return self.params.max_tokens
 
     @property
     def at_max_tokens(self) -> bool:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -57,15 +57,15 @@ class DeviceSample:
     at once; `result()` waits for this step's copies to the host only, not for work queued
     after them (a blocking `.tolist()` would wait for that too)."""
 
-    def __init__(self, token_ids: torch.Tensor, logprobs: "_LogprobTensors | None"):
+    def __init__(self, token_ids: torch.Tensor, logprobs: _LogprobTensors | None):
         self.token_ids = token_ids  # [B] int64
         self._logprobs = logprobs
         tensors = [token_ids, *(logprobs.tensors if logprobs else ())]
-        self._event = None
+        self._event: torch.cuda.Event | None = None
         if token_ids.device.type == "cuda":
             tensors = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                        for t in tensors]
-            self._event = torch.cuda.Event()
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch's Event.__new__ is unannotated
             self._event.record()
         self._host = tensors
 
@@ -73,7 +73,9 @@ class DeviceSample:
         if self._event is not None:
             self._event.synchronize()
         token_ids, *lp = (t.tolist() for t in self._host)
-        logprobs = self._logprobs.entries(lp) if self._logprobs else [None] * len(token_ids)
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(token_ids)
+        if self._logprobs:
+            logprobs = self._logprobs.entries(lp)
         return SampleOutput(token_ids, logprobs)
 
 
@@ -104,7 +106,7 @@ class Sampler:
             p = row.params
             if len(row.output_token_ids) >= p.min_tokens:
                 continue
-            stops = p.stop_token_ids if p.ignore_eos else p.stop_token_ids + self.eos_token_ids
+            stops = p.stop_token_ids if p.ignore_eos else (*p.stop_token_ids, *self.eos_token_ids)
             row_idx += [b] * len(stops)
             token_idx += stops
         if row_idx:
@@ -112,7 +114,8 @@ class Sampler:
             logits[index[0], index[1]] = float("-inf")
 
 
-def _to_device(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+def _to_device(values: Sequence[float] | Sequence[Sequence[int]], device: torch.device,
+               dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A host list as a device tensor without a sync: a copy from pageable memory (what
     `torch.tensor(..., device=)` and indexing with a list do) waits for the device's queue,
     which would stall overlapped scheduling on the step still running."""
@@ -198,7 +201,8 @@ def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """logits: [R, V]. Keep each row's k largest logits (k = 0: all), then the smallest most-likely set whose probability mass reaches p (at least one token)."""
+    """logits: [R, V]. Keep each row's k largest logits (k = 0: all), then the smallest
+    most-likely set whose probability mass reaches p (at least one token)."""
     vocab_size = logits.shape[1]
     k = [k or vocab_size for k in top_k]
     # When every row has a top_k, no row keeps a token outside the largest max(k): skip the full sort.
@@ -220,14 +224,14 @@ def _exponential_noise(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
     elif unseeded:
         at = _to_device(unseeded, probs.device)
         noise[at] = noise[at].exponential_()
-    seeded = [r for r, row in enumerate(rows) if row.sample_seed is not None]
+    seeded = {r: (row.sample_seed, len(row.output_token_ids))  # row -> (seed, step)
+              for r, row in enumerate(rows) if row.sample_seed is not None}
     if seeded:
-        keys = [(rows[r].sample_seed, len(rows[r].output_token_ids)) for r in seeded]
-        drawn = -torch.log(_hash_uniform(keys, probs.shape[1], probs.device)).to(noise.dtype)
+        drawn = -torch.log(_hash_uniform(list(seeded.values()), probs.shape[1], probs.device)).to(noise.dtype)
         if len(seeded) == len(rows):
             noise = drawn
         else:
-            noise[_to_device(seeded, probs.device)] = drawn
+            noise[_to_device(list(seeded), probs.device)] = drawn
     # a zero-probability token must never win through 0 / 0 = nan
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
@@ -242,7 +246,7 @@ def _pcg(x: torch.Tensor) -> torch.Tensor:
     return (word >> 22) ^ word
 
 
-def _hash_uniform(keys: list[tuple[int, int]], vocab: int, device) -> torch.Tensor:
+def _hash_uniform(keys: list[tuple[int, int]], vocab: int, device: torch.device) -> torch.Tensor:
     """[len(keys), vocab] float64 in (0, 1): row i, column t hashes (seed_i, step_i, t)."""
     seeds = _to_device([k[0] for k in keys], device)
     steps = _to_device([k[1] for k in keys], device)
@@ -261,28 +265,28 @@ class _LogprobTensors:
     tensors: tuple[torch.Tensor, ...]  # sampled [S], its logprob [S], its rank [S], top ids/lps/ranks [S, k]
 
     @classmethod
-    def of(cls, raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]) -> "_LogprobTensors | None":
+    def of(cls, raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]) -> _LogprobTensors | None:
         """raw: [B, V] unprocessed logits; token_ids: [B]. The sampled token first, then the
         top-k, ranked 1 + (number of tokens with a strictly larger logprob)."""
-        sel = [b for b, row in enumerate(rows) if row.params.logprobs is not None]
-        if not sel:
+        asked = {b: row.params.logprobs for b, row in enumerate(rows) if row.params.logprobs is not None}
+        if not asked:
             return None
+        sel, limits = list(asked), list(asked.values())
         logprobs = _rows(raw, sel).log_softmax(-1)  # [S, V]
         sampled = _rows(token_ids, sel).unsqueeze(1)  # [S, 1]
         sampled_lp = logprobs.gather(1, sampled)  # [S, 1]
         sampled_rank = (logprobs > sampled_lp).sum(-1) + 1  # [S]
-        limits = [rows[b].params.logprobs for b in sel]
         top_lp, top_ids = logprobs.topk(min(max(limits), logprobs.shape[1]), dim=-1)  # [S, k], descending
         # Every token more likely than top-k entry j is an earlier top-k entry: count those only.
         top_rank = (top_lp.unsqueeze(1) > top_lp.unsqueeze(2)).sum(-1) + 1  # [S, k]
         return cls(sel, limits, len(rows), (sampled[:, 0], sampled_lp[:, 0], sampled_rank, top_ids, top_lp, top_rank))
 
-    def entries(self, host: list[list]) -> list[dict[int, Logprob] | None]:
+    def entries(self, host: list[list[Any]]) -> list[dict[int, Logprob] | None]:
         """host: `tensors` as lists -> one {token: Logprob} per batch row (None: not asked)."""
         out: list[dict[int, Logprob] | None] = [None] * self.batch
-        for s, (b, limit) in enumerate(zip(self.rows, self.limits)):
+        for s, (b, limit) in enumerate(zip(self.rows, self.limits, strict=True)):
             ids, lps, ranks = (h[s][:limit] for h in host[3:])
             entry = {host[0][s]: Logprob(host[1][s], host[2][s])}
-            entry.update((t, Logprob(lp, rank)) for t, lp, rank in zip(ids, lps, ranks))
+            entry.update((t, Logprob(lp, rank)) for t, lp, rank in zip(ids, lps, ranks, strict=True))
             out[b] = entry
         return out

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable, Iterable, Iterator, NamedTuple
+from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 from ..config import SchedulerConfig
 from ..kvcache.chunk_pool import OutOfChunks
@@ -73,7 +74,7 @@ class Scheduler:
         self.computed_prompt_tokens = 0  # prompt tokens run through the model
         self.pinned_chunks = 0  # tree.pinned_chunks(), recounted when a pin comes or goes
         self.tenant_tokens: dict[str, list[int]] = {}  # tenant -> [prompt tokens, prefix hit tokens]
-        self._last_sig: tuple | None = None  # (tree version, leaves) of the last sorted grant
+        self._last_sig: tuple[int, tuple[int, ...]] | None = None  # (tree version, leaves' ids) of the last sorted grant
         self._last_perm: list[int] = []
 
     def add(self, seq: Sequence) -> None:
@@ -86,7 +87,9 @@ class Scheduler:
         preempted = self._grow_running()
         if not preempted:
             self._admit_waiting()
-        budget, claimed, granted = self.cfg.max_num_batched_tokens, set(), []
+        budget = self.cfg.max_num_batched_tokens
+        claimed: set[int] = set()  # ids of the nodes a grant starts in
+        granted: list[ScheduledSeq] = []
         by_demand = sorted(self.running, key=self._demand)  # stable: ties keep admission order
         for i, seq in enumerate(by_demand):
             cap = budget if i == len(by_demand) - 1 else min(budget, self._half)
@@ -102,7 +105,7 @@ class Scheduler:
 
     def _demand(self, seq: Sequence) -> int:
         """Tokens from the sequence's computed frontier to its end (1 for a decode)."""
-        return seq.num_tokens - self.tree.frontier(seq.leaf)[0]
+        return seq.num_tokens - self.tree.frontier(seq.held_leaf)[0]
 
     def _in_tree_order(self, granted: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """Depth-first order (by the node ids of each path). The same leaves in an unchanged
@@ -110,7 +113,7 @@ class Scheduler:
         reused."""
         sig = (self.tree.version, tuple(id(g.seq.leaf) for g in granted))
         if sig != self._last_sig:
-            keys = [[n.id for n in self.tree.path(g.seq.leaf)] for g in granted]
+            keys = [[n.id for n in self.tree.path(g.seq.held_leaf)] for g in granted]
             self._last_perm = sorted(range(len(granted)), key=keys.__getitem__)
             self._last_sig = sig
         return [granted[i] for i in self._last_perm]
@@ -136,7 +139,7 @@ class Scheduler:
         seq.drop_pending()
         if seq.status is Status.RUNNING:
             del self.running[seq]
-            self.tree.release(seq.leaf)
+            self.tree.release(seq.held_leaf)
             seq.leaf = None
         elif seq.status is Status.WAITING:
             del self.waiting[seq]
@@ -148,7 +151,7 @@ class Scheduler:
         queue behind it), and each sampled row's token is PENDING until `on_sampled`."""
         for g in sched.seqs:
             seq, upto = g.seq, g.start + g.num_tokens
-            self.tree.mark_computed(seq.leaf, upto)
+            self.tree.mark_computed(seq.held_leaf, upto)
             self.computed_prompt_tokens += max(0, min(upto, len(seq.prompt_token_ids)) - g.start)
             if g.sample and not seq.request.prefill_only:
                 seq.output_token_ids.append(PENDING)
@@ -180,13 +183,14 @@ class Scheduler:
 
     def chunks_to_pin(self, seq: Sequence) -> int:
         """Chunks that pinning the sequence's path would add to the pinned ones."""
-        return sum(len(n.owned_chunks) for n in self.tree.path(seq.leaf) if not n.pins)
+        return sum(len(n.owned_chunks) for n in self.tree.path(seq.held_leaf) if not n.pins)
 
     def pin(self, seq: Sequence) -> Node:
         """Pin the sequence's (computed) path; -> its leaf, the pin's handle for `unpin`."""
-        self.tree.pin(seq.leaf)
+        leaf = seq.held_leaf
+        self.tree.pin(leaf)
         self.pinned_chunks = self.tree.pinned_chunks()
-        return seq.leaf
+        return leaf
 
     def unpin(self, leaf: Node) -> None:
         self.tree.unpin(leaf)
@@ -242,7 +246,7 @@ class Scheduler:
         return matched
 
     def _grant(self, seq: Sequence, budget: int, claimed: set[int]) -> ScheduledSeq | None:
-        start, node = self.tree.frontier(seq.leaf)
+        start, node = self.tree.frontier(seq.held_leaf)
         if node is None or node.id in claimed or seq.at_max_tokens:
             return None
         claimed.add(node.id)
@@ -251,11 +255,11 @@ class Scheduler:
 
     def _grow_running(self) -> list[Sequence]:
         """Put each running sequence's newly sampled tokens into the tree, preempting on OOM."""
-        preempted = []
+        preempted: list[Sequence] = []
         for seq in list(self.running):
-            while seq.status is Status.RUNNING and seq.leaf.end < seq.num_tokens:
+            while seq.status is Status.RUNNING and (leaf := seq.held_leaf).end < seq.num_tokens:
                 try:
-                    seq.leaf = self.tree.extend(seq.leaf, seq.tokens_from(seq.leaf.end))
+                    seq.leaf = self.tree.extend(leaf, seq.tokens_from(leaf.end))
                 except OutOfChunks:
                     preempted.append(self._preempt_last())
         return preempted
@@ -263,7 +267,7 @@ class Scheduler:
     def _preempt_last(self) -> Sequence:
         victim, _ = self.running.popitem()  # the last admitted
         self.num_preemptions += 1
-        self.tree.release(victim.leaf)
+        self.tree.release(victim.held_leaf)
         victim.leaf, victim.status = None, Status.WAITING
         self.waiting[victim] = None
         self.waiting.move_to_end(victim, last=False)  # first in line

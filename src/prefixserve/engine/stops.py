@@ -24,6 +24,6 @@ def check_stop(seq: Sequence, token: int, delta: str, eos_token_ids: tuple[int, 
         seq.text = text
     if n_out >= p.min_tokens and (token in p.stop_token_ids or (token in eos_token_ids and not p.ignore_eos)):
         return "stop"
-    if n_out >= p.max_tokens or len(seq.prompt_token_ids) + n_out >= max_model_len:
+    if n_out >= seq.max_tokens or len(seq.prompt_token_ids) + n_out >= max_model_len:
         return "length"
     return None

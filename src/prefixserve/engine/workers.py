@@ -27,17 +27,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import IO, TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..attention import create_backend
-from ..attention.base import AttentionBatch, AttentionShape, PaddedRows
+from ..attention.base import AttentionBackend, AttentionBatch, AttentionShape, PaddedRows
 from ..config import EngineConfig
 from ..kvcache.chunk_pool import ChunkPool
 from ..model import loader
 from ..model.parallel import TPGroup
 from .cuda_graphs import DecodeGraphs
+
+if TYPE_CHECKING:
+    from ..model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -65,26 +69,30 @@ class RankState:
     device: torch.device
     dtype: torch.dtype
     source: loader.ModelSource
-    model: torch.nn.Module
+    model: LlamaForCausalLM  # every family's class subclasses it (model/registry.py)
     pool: ChunkPool
-    backend: object
+    backend: AttentionBackend
 
     graphs: DecodeGraphs | None = None  # CUDA, one rank, unless enforce_eager
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                sample_rows: list[int]):
+                sample_rows: list[int]) -> torch.Tensor | None:
         """One step's forward; -> fp32 logits [len(sample_rows), vocab] or None."""
-        rows = self.graphs.rows_for(batch) if self.graphs else None
+        graphs = self.graphs
+        rows = graphs.rows_for(batch) if graphs else None
         if rows is not None:
             batch = dataclasses.replace(batch, padded=PaddedRows(rows, self.pool.pad_slot))
         self.backend.plan(batch)
-        run = lambda i, p: self.model(i, p, self.backend, self.pool.k, self.pool.v)  # noqa: E731
-        if rows is None:
+
+        def run(i: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.model(i, p, self.backend, self.pool.k, self.pool.v)  # hidden [T, hidden]
+            return out
+
+        if graphs is None or rows is None:
             hidden = run(self.upload(ids), self.upload(positions))
         else:
-            hidden = self.graphs.run(rows, self.upload(ids), self.upload(positions),
-                                     self.backend.generation, run)
+            hidden = graphs.run(rows, self.upload(ids), self.upload(positions), self.backend.generation, run)
         if not sample_rows:
             return None
         if sample_rows == list(range(len(sample_rows))):  # a decode step: the first rows
@@ -153,8 +161,8 @@ class Workers:
             os.environ[k] = v
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                                    timeout=store_timeout(cfg))
-        self.procs: list[subprocess.Popen] = []
-        self._stderr: dict[int, object] = {}  # pid -> the worker's stderr file
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._stderr: dict[int, IO[bytes]] = {}  # pid -> the worker's stderr file
         try:
             for rank in range(1, size):
                 self._start(WorkerArgs(cfg, rank, size, self.store.port, os.getpid()))
@@ -172,6 +180,7 @@ class Workers:
                                 stderr=err, env=env)
         self.procs.append(proc)
         self._stderr[proc.pid] = err
+        assert proc.stdin is not None  # stdin=PIPE
         proc.stdin.write(pickle.dumps(args))
         proc.stdin.close()
 
@@ -191,7 +200,7 @@ class Workers:
         """'rank R exited with CODE: <stderr tail>' for each worker that has exited."""
         return [self._describe(rank, p) for rank, p in enumerate(self.procs, 1) if p.poll() is not None]
 
-    def _describe(self, rank: int, proc: subprocess.Popen) -> str:
+    def _describe(self, rank: int, proc: subprocess.Popen[bytes]) -> str:
         err = self._stderr[proc.pid]
         err.seek(max(0, err.seek(0, os.SEEK_END) - STDERR_TAIL_BYTES))
         tail = err.read().decode("utf-8", "replace").strip()
@@ -208,7 +217,8 @@ class Workers:
         self.kill()
         return WorkerError("tensor parallelism failed: " + ("; ".join(dead) or f"a step raised {error!r}"))
 
-    def broadcast(self, inputs) -> None:
+    def broadcast(self, inputs: object) -> None:
+        """Send one step's inputs (or None: stop) to every worker (pickled)."""
         dist.broadcast_object_list([inputs], src=0)
 
     def close(self) -> None:

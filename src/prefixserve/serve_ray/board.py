@@ -31,7 +31,7 @@ class Report:
 class Board:
     """A Ray actor (made one by launch.py): replica id -> its latest report."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._reports: dict[str, tuple[float, Report]] = {}
 
     def report(self, replica: str, report: Report) -> None:

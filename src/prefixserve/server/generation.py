@@ -149,6 +149,7 @@ class Generation:
 
     async def collect(self, request: Request) -> RequestOutput:
         """The final output; aborts and raises ClientGone if the client disconnects first."""
+        assert self.stream is not None, "collect follows a successful start"
         result = asyncio.ensure_future(_last(self.stream))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -181,7 +182,7 @@ class ClientGone(Exception):
     """The client disconnected before its (non-streaming) answer was ready."""
 
 
-def _engine_result(task: asyncio.Future) -> RequestOutput:
+def _engine_result(task: asyncio.Future[RequestOutput]) -> RequestOutput:
     try:
         return task.result()
     except (RequestAborted, EngineDeadError, RequestFailed) as e:
@@ -196,9 +197,11 @@ def _stopped(e: Exception) -> tuple[int, str, None, str]:
 
 
 async def _last(stream: RequestStream) -> RequestOutput:
+    """The stream's finished output (a stream that does not end with one raises)."""
     out = None
     async for item in stream:
         out = item
+    assert out is not None, "a stream yields its finished output before it ends"
     return out
 
 

@@ -9,7 +9,7 @@ ran). The engine's state (requests, KV cache, prefix hits) is read at scrape tim
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -129,14 +129,15 @@ def _per_tenant(usage: tuple[TenantUsage, ...], known: frozenset[str]):
         row = sums.setdefault(u.tenant if u.tenant in known else OTHER, [0, 0, 0])
         for i, v in enumerate((u.prompt_tokens, u.cached_tokens, u.pinned_tokens)):
             row[i] += v
-    families = (CounterMetricFamily(_P + "tenant_prompt_tokens", "prompt tokens of admitted requests, by tenant",
-                                    labels=["tenant"]),
-                CounterMetricFamily(_P + "tenant_cached_tokens", "prompt tokens found in the prefix tree (the "
-                                    "tenant's partitions and public pins), by tenant", labels=["tenant"]),
-                GaugeMetricFamily(_P + "tenant_pinned_tokens", "tokens in the tenant's active private pins",
-                                  labels=["tenant"]))
+    families: tuple[CounterMetricFamily | GaugeMetricFamily, ...] = (
+        CounterMetricFamily(_P + "tenant_prompt_tokens", "prompt tokens of admitted requests, by tenant",
+                            labels=["tenant"]),
+        CounterMetricFamily(_P + "tenant_cached_tokens", "prompt tokens found in the prefix tree (the "
+                            "tenant's partitions and public pins), by tenant", labels=["tenant"]),
+        GaugeMetricFamily(_P + "tenant_pinned_tokens", "tokens in the tenant's active private pins",
+                          labels=["tenant"]))
     for tenant, row in sorted(sums.items()):
-        for family, value in zip(families, row):
+        for family, value in zip(families, row, strict=True):
             family.add_metric([tenant], value)
     yield from families
 

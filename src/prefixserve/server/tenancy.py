@@ -29,7 +29,7 @@ class Tenants:
     keys: tuple[tuple[str, str], ...] = ()  # (key, tenant)
     admin_key: str | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         seen: dict[str, str] = {}
         for key, tenant in self.keys + ((self.admin_key, ADMIN),) * (self.admin_key is not None):
             if not key or not key.strip() or any(c.isspace() for c in key):
