@@ -99,3 +99,10 @@ def test_results_are_named_by_model_and_hardware(tmp_path):
     path = R.result_path(tmp_path, "throughput", "sharegpt", "llama-2-7b", gpu)
     assert path.name == "throughput-sharegpt-llama-2-7b-h200-x2.json"
     assert R.result_path(tmp_path, "serve", "sharegpt", "m", {"device": "cpu"}).name == "serve-sharegpt-m-cpu.json"
+
+
+def test_multi_tenant_is_a_serving_workload_only(capsys):
+    """Offline throughput has no tenants to send: the choice is refused up front, not a KeyError later."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "throughput", "--workload", "multi-tenant"])
+    assert e.value.code == 2 and "invalid choice: 'multi-tenant'" in capsys.readouterr().err

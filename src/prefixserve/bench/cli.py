@@ -9,7 +9,8 @@ BENCHMARKS = ("prefixserve.bench.kernels", "prefixserve.bench.moe", "prefixserve
 
 
 def register(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: attention kernels, MoE op, offline throughput, online serving, side channel, eviction",
+    bench = sub.add_parser("bench", help="benchmarks: attention kernels, MoE op, offline throughput, online serving, "
+                                          "side channel, eviction",
                            description="Benchmarks. Each prints a short table and writes JSON + PNG "
                                        "under benchmarks/results/, named by workload, model and hardware.")
     bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")

@@ -39,7 +39,7 @@ def register(sub) -> None:
     p = sub.add_parser("throughput", help="offline batch throughput of the configs on one workload",
                        description=__doc__.split("\n\n")[1], epilog=R.ENGINE_FLAGS_NOTE,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=W.WORKLOADS, default="sharegpt")
+    p.add_argument("--workload", choices=W.OFFLINE_WORKLOADS, default="sharegpt")
     p.add_argument("--configs", type=R.config_list, default=list(R.CONFIGS),
                    help=f"comma-separated, run in this order (default: all: {','.join(R.CONFIGS)})")
     p.add_argument("--no-warmup", action="store_true", help="skip the per-config warm-up")

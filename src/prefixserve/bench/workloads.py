@@ -30,6 +30,8 @@ from ..sampling_params import SamplingParams
 from .datasets import sharegpt_conversations, sharegpt_first_turns
 
 WORKLOADS = ("sharegpt", "synthetic", "multi-sample", "hierarchical", "long-doc", "multi-tenant")
+# Offline throughput runs these; multi-tenant needs a tenant per request, which only serving sends.
+OFFLINE_WORKLOADS = tuple(w for w in WORKLOADS if w != "multi-tenant")
 
 _RULES = (
     "Answer the user's question accurately, and say so when you are not sure.",
