@@ -91,7 +91,7 @@ def test_kernel_matches_twin_and_fp64(shape, dtype):
 
 def test_align_pairs_sorts_by_expert_in_padded_blocks():
     ids = torch.tensor([[3, 0], [0, 2], [3, 1], [0, 3]])
-    pair_ids, block_expert = moe.align_pairs(ids, num_experts=5, block_m=2)
+    pair_ids, block_expert = moe_triton.align_pairs(ids, num_experts=5, block_m=2)
     pairs = ids.numel()
     # (8 pairs + 5 * 1 padding) / 2 -> 7 blocks; experts 0 (3 pairs: 2 blocks), 1, 2, 3 (2 blocks)
     assert block_expert.tolist() == [0, 0, 1, 2, 3, 3, -1]

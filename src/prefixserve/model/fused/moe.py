@@ -11,7 +11,7 @@ each add (HF's index_add_ in expert order, from zero).
 
 The two grouped GEMMs (`expert_outputs`: [T*K, H], one row per (token, slot) pair) are what
 the device picks: CUDA runs the Triton kernels of `moe_triton` (one launch each over the
-pairs sorted by expert, `align_pairs`); other devices the PyTorch twin in `moe_reference`.
+pairs sorted by expert, `moe_triton.align_pairs`); other devices the PyTorch twin in `moe_reference`.
 The routing and the final ordered sum are shared torch ops.
 """
 
@@ -65,30 +65,3 @@ def sum_in_expert_order(y: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor
         out = out + rows[:, j]
     return out.contiguous()
 
-
-def align_pairs(topk_ids: torch.Tensor, num_experts: int,
-                block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pairs sorted by expert, each expert's run padded to a multiple of block_m rows, on the
-    device and without reading anything back (CUDA-graph safe: shapes depend on T, K, E only).
-
-    -> pair_ids [B * block_m] int32: pair t*K + k per row, P = T*K on padding rows;
-       block_expert [B] int32: the expert of each block of block_m rows, -1 past the last.
-    B = ceil((P + E * (block_m - 1)) / block_m), the most blocks any routing needs.
-    """
-    flat = topk_ids.reshape(-1)
-    pairs = flat.numel()
-    # (bincount would read the largest id back to size its output: not capturable)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.index_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    order = torch.argsort(flat, stable=True)
-    expert = flat[order]
-    rank = torch.arange(pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert]
-    blocks = (pairs + num_experts * (block_m - 1) + block_m - 1) // block_m
-    pair_ids = torch.full((blocks * block_m,), pairs, dtype=torch.int32, device=flat.device)
-    pair_ids[(padded_end - padded)[expert] + rank] = order.to(torch.int32)
-    starts = torch.arange(blocks, device=flat.device) * block_m
-    block_expert = torch.searchsorted(padded_end, starts, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return pair_ids, block_expert

@@ -1,5 +1,5 @@
 """Triton twin of `moe_reference.expert_outputs`: two grouped GEMMs over the (token, slot)
-pairs sorted by expert (`moe.align_pairs`), one launch each.
+pairs sorted by expert (`align_pairs`), one launch each.
 
     up:    program (block b, column tile n): the block_m pairs of block b (one expert e) times
            the gate and up rows n of w13[e] -> h[pair, n] = round(silu(round(g)) ) * round(u)
@@ -20,8 +20,35 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe import align_pairs
 from .triton import _DTYPES, _exp, _round, _rounded
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int,
+                block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs sorted by expert, each expert's run padded to a multiple of block_m rows, on the
+    device and without reading anything back (CUDA-graph safe: shapes depend on T, K, E only).
+
+    -> pair_ids [B * block_m] int32: pair t*K + k per row, P = T*K on padding rows;
+       block_expert [B] int32: the expert of each block of block_m rows, -1 past the last.
+    B = ceil((P + E * (block_m - 1)) / block_m), the most blocks any routing needs.
+    """
+    flat = topk_ids.reshape(-1)
+    pairs = flat.numel()
+    # (bincount would read the largest id back to size its output: not capturable)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    rank = torch.arange(pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert]
+    blocks = (pairs + num_experts * (block_m - 1) + block_m - 1) // block_m
+    pair_ids = torch.full((blocks * block_m,), pairs, dtype=torch.int32, device=flat.device)
+    pair_ids[(padded_end - padded)[expert] + rank] = order.to(torch.int32)
+    starts = torch.arange(blocks, device=flat.device) * block_m
+    block_expert = torch.searchsorted(padded_end, starts, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return pair_ids, block_expert
 
 
 @triton.jit
