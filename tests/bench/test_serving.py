@@ -8,7 +8,8 @@ import json
 import pytest
 
 from prefixserve.bench.loadgen import RequestRecord, summarize
-from prefixserve.bench.serving import engine_flags, sustainable_rates
+from prefixserve.bench.server_process import engine_flags
+from prefixserve.bench.serving import sustainable_rates
 from prefixserve.cli import main
 
 

@@ -23,12 +23,12 @@ from . import results as R
 from . import workloads as W
 from .loadgen import RequestRecord, poisson_run, summarize
 from .plots import plot_multi_tenant
+from .server_process import scale_out_flags, server
 
 log = logging.getLogger(__name__)
 
 
 def run_multi_tenant(args, engine_kw: dict) -> int:
-    from .serving import scale_out_flags, server
     hw, model, load_start = R.hardware(), R.model_name(engine_kw), R.load_average()
     src = W.token_source(engine_kw)
     routers = args.routers if args.replicas else [None]
