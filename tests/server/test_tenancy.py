@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from prefixserve.cli import build_parser
-from prefixserve.server.cli import ADMIN_KEY_ENV, API_KEY_ENV, server_config
+from prefixserve.server.setup import ADMIN_KEY_ENV, API_KEY_ENV, server_config
 from prefixserve.server.tenancy import ADMIN, ANONYMOUS, Tenants, key_tenant
 
 

@@ -20,7 +20,7 @@ import threading
 
 from ..cli import engine_kwargs
 from ..config import EngineConfig
-from ..server.cli import server_config
+from ..server.setup import server_config
 from .options import ScaleOutConfig
 from .routers import request_router_config
 

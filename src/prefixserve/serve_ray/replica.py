@@ -1,4 +1,4 @@
-"""EngineReplica: one engine and the single-process server's app (server/cli.py build_app),
+"""EngineReplica: one engine and the single-process server's app (server/setup.py build_app),
 as a Ray Serve deployment. Ray's router sends it HTTPCalls; it answers with the app's ASGI
 messages (bridge.py), reports to the board every second, and tells Ray Serve it is unhealthy
 when its engine is (Ray then restarts it).
@@ -27,7 +27,7 @@ class EngineReplica:
         import torch
         from ray import serve
 
-        from ..server.cli import build_app, server_config
+        from ..server.setup import build_app, server_config
         torch.set_num_threads(threads)
         self.cfg = server_config(args)
         self.app, self.engine = build_app(args)
