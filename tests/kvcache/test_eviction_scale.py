@@ -13,32 +13,9 @@ import random
 import pytest
 import torch
 
+from prefixserve.bench.eviction import ScanTree  # the reference: a scan of every node per chunk
 from prefixserve.kvcache.chunk_pool import ChunkPool, OutOfChunks
 from prefixserve.kvcache.prefix_tree import Partition, PrefixTree
-
-
-class ScanTree(PrefixTree):
-    """The reference: whenever the pool is empty and a chunk is needed, scan every node for the
-    unreferenced, unpinned, childless one with the least (last_use, id) and remove it."""
-
-    evicted = 0  # nodes removed for want of chunks
-
-    def _alloc_many(self, n: int) -> list[int]:
-        got = []
-        try:
-            for _ in range(n):
-                while not self.pool.num_free:
-                    victims = [v for v in self.nodes.values() if not (v.ref or v.pins or v.children)]
-                    if not victims:
-                        raise OutOfChunks
-                    self._remove(min(victims, key=lambda v: (v.last_use, v.id)))
-                    self.evicted += 1
-                got.append(self.pool.allocate())
-        except OutOfChunks:
-            for c in reversed(got):
-                self.pool.free(c)
-            raise
-        return got
 
 
 def make(cls, num_chunks: int, chunk_size: int) -> PrefixTree:

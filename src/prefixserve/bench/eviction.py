@@ -113,7 +113,10 @@ def _time_steps(tree, n: int, args: argparse.Namespace) -> list[float]:
 
 class ScanTree(PrefixTree):
     """Eviction as before issue 19: whenever the pool is empty and a chunk is needed, scan every
-    node for the unreferenced, unpinned, childless one with the least (last_use, id)."""
+    node for the unreferenced, unpinned, childless one with the least (last_use, id). Also the
+    reference tests/kvcache/test_eviction_scale.py holds the heap to, node for node."""
+
+    evicted = 0  # nodes removed for want of chunks
 
     def _alloc_many(self, n: int) -> list[int]:
         got = []
@@ -124,6 +127,7 @@ class ScanTree(PrefixTree):
                     if not victims:
                         raise OutOfChunks
                     self._remove(min(victims, key=lambda v: (v.last_use, v.id)))
+                    self.evicted += 1
                 got.append(self.pool.allocate())
         except OutOfChunks:
             for c in reversed(got):
