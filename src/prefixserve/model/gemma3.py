@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import RotaryEmbedding
+from .layers import Linear, RotaryEmbedding
 from .llama import Attention, LlamaForCausalLM, VocabEmbedding
 from .parallel import TPGroup
 from .qwen3 import per_head_norm
@@ -60,8 +60,8 @@ class GemmaMLP(nn.Module):
             raise ValueError(f"Gemma 3 with hidden_activation {cfg.hidden_act!r}: only "
                              "'gelu_pytorch_tanh' is supported")
         self.tp, self.size = tp, tp.part(cfg.intermediate_size, "intermediate_size")
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.size, bias=False)
-        self.down_proj = nn.Linear(self.size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.size, False, tp.invariant)
+        self.down_proj = Linear(self.size, cfg.hidden_size, False, tp.invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -108,8 +108,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             for i in range(cfg.num_layers))
         # HF's name (model.norm); Gemma's forward calls it, never RMSNorm's add_forward
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # type: ignore[assignment]
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, self.embed_tokens.num_embeddings, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
+            cfg.hidden_size, self.embed_tokens.num_embeddings, False, tp.invariant)
 
     def forward(self, input_ids, positions, attn, k_caches, v_caches):
         """input_ids, positions: [T]; k_caches: [L, num_chunks, C, Hkv, D] -> hidden [T, hidden]."""
@@ -120,8 +120,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = nn.functional.linear(hidden, weight)
+        logits = self.lm_product(hidden)
         cap = self.cfg.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

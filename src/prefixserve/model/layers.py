@@ -14,6 +14,21 @@ import torch
 from torch import nn
 
 from . import fused
+from .fused.linear import invariant_linear
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and names); `invariant`: every output row's bits independent of
+    how many rows are computed with it (deterministic mode: `fused.linear`, the group's choice)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, invariant: bool):
+        super().__init__(in_features, out_features, bias=bias)
+        self.invariant = invariant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant:
+            return invariant_linear(x, self.weight, self.bias)
+        return super().forward(x)
 
 
 class RMSNorm(nn.Module):

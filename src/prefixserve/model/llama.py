@@ -21,7 +21,8 @@ from torch import nn
 from ..attention.base import AttentionBackend
 from ..config import ModelConfig
 from . import fused
-from .layers import RMSNorm, RotaryEmbedding
+from .fused.linear import invariant_linear
+from .layers import Linear, RMSNorm, RotaryEmbedding
 from .parallel import TPGroup
 
 
@@ -34,8 +35,8 @@ class Attention(nn.Module):
         self.num_kv_heads = tp.part(cfg.num_kv_heads, "num_kv_heads")
         q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, sum(self.sizes), cfg.attention_bias, tp.invariant)
+        self.o_proj = Linear(q_size, cfg.hidden_size, False, tp.invariant)
 
     def forward(self, x, positions, attn: AttentionBackend, k_cache, v_cache):
         """x: [T, hidden]; positions: [T]; k_cache, v_cache: [num_chunks, C, Hkv, D]."""
@@ -59,8 +60,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
         self.tp, self.size = tp, tp.part(cfg.intermediate_size, "intermediate_size")
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.size, bias=False)
-        self.down_proj = nn.Linear(self.size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.size, False, tp.invariant)
+        self.down_proj = Linear(self.size, cfg.hidden_size, False, tp.invariant)
 
     def forward(self, x):
         return self.tp.all_reduce(self.down_proj(fused.silu_mul(self.gate_up_proj(x))))
@@ -123,8 +124,8 @@ class LlamaForCausalLM(nn.Module):
                                  cfg.max_position_embeddings)  # one, shared by every layer
         self.layers = nn.ModuleList(self.make_layer(i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, self.embed_tokens.num_embeddings, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
+            cfg.hidden_size, self.embed_tokens.num_embeddings, False, tp.invariant)
 
     def make_layer(self, layer: int, rotary: RotaryEmbedding) -> nn.Module:
         return DecoderLayer(Attention(self.cfg, self.tp, rotary, layer), MLP(self.cfg, self.tp),
@@ -141,8 +142,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, hidden] -> fp32 logits [B, vocab] (gathered from every rank)."""
+        return self.tp.all_gather_last(self.lm_product(hidden).float())
+
+    def lm_product(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, hidden] times the LM head (or the tied embeddings): [B, this rank's vocab]."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.tp.all_gather_last(nn.functional.linear(hidden, weight).float())
+        linear = invariant_linear if self.tp.invariant else nn.functional.linear
+        return linear(hidden, weight)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -4,6 +4,12 @@ Megatron's split: q/k/v and gate/up are column-parallel (each rank computes its 
 part of the intermediate size), o and down are row-parallel (partial sums all-reduced), the
 embedding and LM head are split by vocabulary. So attention works on a rank's own KV heads
 with no change to the math, and the prefix tree and attention plan are the same on every rank.
+
+The group also says how this rank's products and sums are computed: `invariant` (deterministic
+mode) makes every row's bits independent of the rows beside it -- linear layers go through
+`fused.linear.invariant_linear`, and the all-reduce of 3+ ranks adds the partial sums in rank
+order (NCCL's ring and tree orders follow the message size, so the batch; two ranks need
+nothing: a + b == b + a exactly). The gather is a concatenation: exact either way.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ def check_divides(cfg, size: int) -> None:
 class TPGroup:
     rank: int = 0
     size: int = 1
+    invariant: bool = False  # deterministic mode: batch-invariant products and rank-ordered sums
 
     def part(self, n: int, what: str) -> int:
         """This rank's share of `n` (heads, features, vocabulary rows)."""
@@ -48,6 +55,13 @@ class TPGroup:
         return tensor
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant and self.size > 2:  # rank 0's part + rank 1's + ..., in that order
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x.contiguous())
+            total = parts[0]
+            for part in parts[1:]:
+                total = total + part
+            return x.copy_(total)
         if self.size > 1:
             dist.all_reduce(x)
         return x

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .fused import moe
-from .layers import RotaryEmbedding
+from .layers import Linear, RotaryEmbedding
 from .llama import MLP, DecoderLayer
 from .parallel import TPGroup
 from .qwen3 import Qwen3Attention, Qwen3ForCausalLM
@@ -35,14 +35,14 @@ class SparseMoE(nn.Module):
         assert m is not None, "SparseMoE needs a ModelConfig with moe set"
         self.tp, self.top_k, self.renormalize = tp, m.top_k, m.norm_topk_prob
         self.size = tp.part(m.intermediate_size, "moe_intermediate_size")
-        self.gate = nn.Linear(cfg.hidden_size, m.num_experts, bias=False)  # the router
+        self.gate = Linear(cfg.hidden_size, m.num_experts, False, tp.invariant)  # the router
         self.w13 = nn.Parameter(torch.empty(m.num_experts, 2 * self.size, cfg.hidden_size))
         self.w2 = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size, self.size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
         weights, ids = moe.route(self.gate(x), self.top_k, self.renormalize)
-        return self.tp.all_reduce(moe.fused_moe(x, self.w13, self.w2, weights, ids))
+        return self.tp.all_reduce(moe.fused_moe(x, self.w13, self.w2, weights, ids, self.tp.invariant))
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

@@ -42,15 +42,20 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 
 def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """-> y: [T*K, H], row t*K + k: token t's weighted output of expert topk_ids[t, k]."""
-    ops = _kernels() if x.is_cuda else moe_reference
-    return ops.expert_outputs(x, w13, w2, topk_weights, topk_ids)
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    """-> y: [T*K, H], row t*K + k: token t's weighted output of expert topk_ids[t, k].
+    invariant: each row's bits independent of the other tokens (deterministic mode). The
+    kernels' sums run over the hidden dimension in one order whatever the block of pairs (on
+    sm_90 the tile shape changes no bit: `prefixserve bench gemm`); the twin then runs its
+    products in fixed row blocks (`linear_reference`)."""
+    if x.is_cuda:
+        return _kernels().expert_outputs(x, w13, w2, topk_weights, topk_ids)
+    return moe_reference.expert_outputs(x, w13, w2, topk_weights, topk_ids, invariant)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    y = expert_outputs(x, w13, w2, topk_weights, topk_ids)
+              topk_ids: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    y = expert_outputs(x, w13, w2, topk_weights, topk_ids, invariant)
     return sum_in_expert_order(y, topk_ids)
 
 

@@ -1,0 +1,34 @@
+"""PyTorch twin of `linear_triton.linear`: y = x W^T (+ b) whose rows do not depend on how many
+rows there are (deterministic mode's GEMM on the CPU, and the oracle of the kernel).
+
+A CPU BLAS picks its blocking, its threads' split and sometimes its kernel by the shape, so
+one row's bits change with the number of rows (fp32 and bf16 alike, measured with torch
+2.13's CPU build: for K 576 to 11008 most row counts from 1 to 2,048 differ from the others).
+The same product on a fixed shape is the same computation every time, and a row's result
+does not depend on where in the block it sits (measured over offsets). So rows go through the
+BLAS in blocks of ROWS, the last one padded with zero rows: every row of every call is row r
+of some [ROWS, K] x [K, N] product. The bias is added after, elementwise: with it inside the
+product (addmm) one CPU's BLAS (the lent GPU machine's) gave a row other bits at another place in
+its block.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+ROWS = 16  # rows per product: small, so a decode step pads little
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., K] -> [..., N] in x's dtype; weight: [N, K]; bias: [N] or None."""
+    *lead, k = x.shape
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    pad = -m % ROWS
+    if pad:
+        x2 = torch.cat([x2, x2.new_zeros(pad, k)])
+    y = torch.cat([nn.functional.linear(x2[i:i + ROWS], weight) for i in range(0, m + pad, ROWS)]) \
+        if m else x2.new_empty(0, weight.shape[0])
+    y = y[:m] if bias is None else y[:m] + bias
+    return y.reshape(*lead, weight.shape[0])
