@@ -110,6 +110,7 @@ class AttentionShape:
     dtype: torch.dtype
     device: torch.device
     sliding_window: int | None = None  # the window of the model's sliding layers, if any
+    cell: int | None = None  # deterministic mode: keys in cells of this many positions (cells.py)
 
 
 class AttentionBackend(ABC):

@@ -250,6 +250,11 @@ class PlanCache:
     def can_advance(self) -> bool:
         return self._tail is not None
 
+    def next_positions(self) -> np.ndarray:
+        """[B]: where an advance would put each row's new key (the last plan's q_pos + 1)."""
+        assert self._tail is not None, "a plan that can advance"
+        return required(self._host, "q_pos")[:len(self._tail)] + 1
+
     def get(self, batch: AttentionBatch, make_schedule: Callable[[], Schedule]) -> DevicePlan:
         if batch.advance:
             assert self._tail is not None, "an advanced batch follows a plan that can advance"

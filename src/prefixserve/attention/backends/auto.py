@@ -26,13 +26,13 @@ CANDIDATES = ("paged", "relay", "hydragen", "chunk")
 @register_backend("auto")
 class AutoBackend(ScheduledBackend):
     def __init__(self, shape: AttentionShape, kernels: Executor | None = None,
-                 model: CostModel | None = None) -> None:
-        super().__init__(shape, kernels)
+                 model: CostModel | None = None, window_kernels: Executor | None = None) -> None:
+        super().__init__(shape, kernels, window_kernels)
         self.model = model or CostModel.for_device(shape.device)
         self.chosen: str | None = None
 
     def make_schedule(self, batch: AttentionBatch) -> Schedule:
-        scheds = {name: SCHEDULES[name](batch) for name in CANDIDATES}
+        scheds = {name: self.finish(SCHEDULES[name](batch), batch) for name in CANDIDATES}
         times = {name: self.model.time(schedule_cost(s, self.shape)) for name, s in scheds.items()}
         self.chosen = min(times, key=times.__getitem__)
         logger.debug("auto attention: %s (%s)", self.chosen,

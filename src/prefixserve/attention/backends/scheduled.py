@@ -7,6 +7,10 @@ from an executor picked by device (`ops.kernels_for`: Triton kernels on CUDA, th
 reference elsewhere); tests pass one explicitly. Since every backend runs the same executor on
 a plan, a CUDA graph captured with one schedule replays correctly with any other.
 
+Deterministic mode (`shape.cell`): every schedule is re-cut into key cells (`cells.py`) and
+the executor runs them with one inner loop, so all backends give a row the same bits. A decode
+step whose new key opens a cell is rebuilt rather than advanced (its row needs a new partial).
+
 A model with sliding layers (`shape.sliding_window`) gets a second plan per step, of the
 batch cut to the window (`window.windowed`), with its own cache and executor (so that the
 two plans' CUDA-graph state stays apart); `run(..., window=W)` runs that one. Without sliding
@@ -20,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from ..base import AttentionBackend, AttentionBatch, AttentionShape
+from ..cells import cells, crosses
 from ..ops import Executor, kernels_for
 from ..plan import DevicePlan, PlanCache
 from ..schedule import Schedule
@@ -44,7 +49,11 @@ class ScheduledBackend(AttentionBackend):
             self.window_plan: DevicePlan | None = None
 
     def make_schedule(self, batch: AttentionBatch) -> Schedule:
-        return self.schedule(batch)
+        return self.finish(self.schedule(batch), batch)
+
+    def finish(self, sched: Schedule, batch: AttentionBatch) -> Schedule:
+        """A backend's schedule as it runs: cut into key cells in deterministic mode."""
+        return sched if self.shape.cell is None else cells(sched, batch, self.shape.cell)
 
     def plan(self, batch: AttentionBatch) -> None:
         self.current = self.cache.get(batch, lambda: self.make_schedule(batch))
@@ -60,7 +69,10 @@ class ScheduledBackend(AttentionBackend):
         return gen
 
     def can_advance(self) -> bool:
-        return self.cache.can_advance and (self.window is None or self.window_cache.can_advance)
+        ok = self.cache.can_advance and (self.window is None or self.window_cache.can_advance)
+        if ok and self.shape.cell is not None:
+            ok = not crosses(self.cache.next_positions(), self.shape.cell)
+        return ok
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None = None) -> torch.Tensor:

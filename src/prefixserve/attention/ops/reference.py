@@ -146,3 +146,105 @@ def merge_partials(o_parts: torch.Tensor, lse_parts: torch.Tensor, row_indptr: t
     o.index_add_(0, rows, w[..., None] * o_in)
     # denom is 0 (no finite partial, o stays 0) or >= 1 (the max partial weighs exactly 1)
     return o / denom.clamp_min(1.0)[..., None], m + torch.log(denom)
+
+
+# ---- deterministic mode (attention/cells.py): every item's keys lie in one cell -----------------
+CELL_ROWS = 16  # query rows x G heads per product of attend_cells (fewer when G does not divide it)
+
+
+def attend_cells(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 q_pos: torch.Tensor, item_q_start: torch.Tensor, item_q_len: torch.Tensor,
+                 item_out_start: torch.Tensor, item_kv_indptr: torch.Tensor,
+                 kv_chunk: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
+                 kv_pos: torch.Tensor, scale: float, num_out_rows: int, cell: int,
+                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend_items` of a cell schedule, with every (row, cell) partial computed on the same
+    shapes whatever the item: a BLAS's sum order follows the shape (rows, keys), so a row's bits
+    would depend on how many rows and keys it was batched with. Each item's keys go to their
+    places in a [CELL] key block (absent keys: 0, masked), and its rows, R = CELL_ROWS // G at a
+    time (the last block padded), make [Hkv, R*G, D] x [Hkv, D, CELL] scores, then
+    [Hkv, R*G, CELL] x [Hkv, CELL, D] values: one shape for every product of the model."""
+    hkv, d = k_cache.shape[2:]
+    hq = q.shape[1]
+    g = hq // hkv
+    rows = max(1, CELL_ROWS // g)
+    flat_k, flat_v = k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, d)
+    slots, k_pos, key_indptr = _expand_entries(k_cache.shape[1], kv_chunk, kv_lo, kv_hi, kv_pos)
+    bounds = key_indptr[item_kv_indptr.long()].tolist()
+    o = q.new_zeros((num_out_rows, hq, d), dtype=torch.float32)
+    lse = q.new_full((num_out_rows, hq), NEG_INF, dtype=torch.float32)
+    items = zip(item_q_start.tolist(), item_q_len.tolist(), item_out_start.tolist(), strict=True)
+    for i, (qs, n, out) in enumerate(items):
+        pos = k_pos[bounds[i]:bounds[i + 1]]
+        base = int(pos[0]) // cell * cell
+        assert int(pos[-1]) < base + cell, "an item of a cell schedule reads one cell"
+        keys = slots[bounds[i]:bounds[i + 1]]
+        k = q.new_zeros((cell, hkv, d), dtype=torch.float32)
+        v = torch.zeros_like(k)
+        k[pos - base], v[pos - base] = flat_k[keys].float(), flat_v[keys].float()
+        present = torch.zeros(cell, dtype=torch.bool, device=q.device)
+        present[pos - base] = True
+        kh, vh = k.permute(1, 2, 0), v.permute(1, 0, 2)  # [Hkv, D, CELL], [Hkv, CELL, D]
+        for r in range(0, n, rows):
+            m = min(rows, n - r)
+            qp = torch.full((rows,), -1, dtype=torch.int64, device=q.device)  # padding rows see no key
+            qp[:m] = q_pos[qs + r:qs + r + m].long()
+            qb = q.new_zeros((rows, hq, d), dtype=torch.float32)
+            qb[:m] = q[qs + r:qs + r + m].float()
+            ob, lb = _cell_partial(qb, kh, vh, qp, present, base, scale, window)
+            o[out + r:out + r + m], lse[out + r:out + r + m] = ob[:m], lb[:m]
+    return o, lse
+
+
+def _cell_partial(q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q_pos: torch.Tensor,
+                  present: torch.Tensor, base: int, scale: float,
+                  window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [R, Hq, D] fp32; kh: [Hkv, D, CELL]; vh: [Hkv, CELL, D]; q_pos: [R]; present: [CELL]
+    -> o [R, Hq, D], lse [R, Hq] over the cell's present keys that each row sees."""
+    r, hq, d = q.shape
+    hkv, cell = kh.shape[0], kh.shape[2]
+    g = hq // hkv
+    qh = q.reshape(r, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, r * g, d)
+    scores = torch.bmm(qh, kh) * scale  # [Hkv, R*G, CELL]
+    k_pos = base + torch.arange(cell, device=q.device)
+    visible = present[None, :] & (k_pos[None, :] <= q_pos[:, None])  # [R, CELL]
+    if window is not None:
+        visible &= k_pos[None, :] > q_pos[:, None] - window
+    scores = scores.masked_fill(~visible.repeat_interleave(g, dim=0), NEG_INF)
+    m = scores.amax(-1)  # [Hkv, R*G]; -inf: the row sees nothing here
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(scores - m_safe[..., None])
+    denom = p.sum(-1)
+    seen = denom > 0
+    o = torch.bmm(p, vh) / torch.where(seen, denom, 1.0)[..., None]  # [Hkv, R*G, D]
+    lse = torch.where(seen, m_safe + torch.log(torch.where(seen, denom, 1.0)), NEG_INF)
+    o = o.reshape(hkv, r, g, d).permute(1, 0, 2, 3).reshape(r, hq, d)
+    return o, lse.reshape(hkv, r, g).permute(1, 0, 2).reshape(r, hq)
+
+
+def merge_in_order(o_parts: torch.Tensor, lse_parts: torch.Tensor, row_indptr: torch.Tensor,
+                   row_parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge_partials` with each row's partials folded in in CSR order, one at a time (the
+    Triton merge's online form and order): the result's bits depend on that order only.
+
+        m' = max(m, lse_i);  acc = acc e^(m - m') + e^(lse_i - m') o_i;  den = den e^(m - m') + e^(lse_i - m')
+    """
+    num_rows = row_indptr.numel() - 1
+    counts = (row_indptr[1:] - row_indptr[:-1]).long()
+    hq, d = o_parts.shape[1:]
+    m = o_parts.new_full((num_rows, hq), NEG_INF)
+    den = o_parts.new_zeros((num_rows, hq))
+    acc = o_parts.new_zeros((num_rows, hq, d))
+    for j in range(int(counts.max()) if num_rows else 0):
+        has = counts > j  # rows with a j-th partial
+        part = row_parts.long()[row_indptr[:-1].long()[has] + j]
+        lse_j, o_j = lse_parts[part], o_parts[part]
+        m_new = torch.maximum(m[has], lse_j)
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        alpha, w = torch.exp(m[has] - m_safe), torch.exp(lse_j - m_safe)
+        acc[has] = acc[has] * alpha[..., None] + w[..., None] * o_j
+        den[has] = den[has] * alpha + w
+        m[has] = m_new
+    seen = den > 0
+    o = acc / torch.where(seen, den, 1.0)[..., None]
+    return o, torch.where(seen, m + torch.log(torch.where(seen, den, 1.0)), NEG_INF)

@@ -5,6 +5,7 @@
     merge.py     merge_partials  log-sum-exp merge, one pass per row
     worklist.py  units and split-K merge CSR, built on the host at plan time (numpy only)
     kernels.py   TritonKernels   plan/run glue for `backends.scheduled`
+    cells.py     CellKernels     deterministic mode: key cells in position tiles (cell_worklist.py)
 
 triton is imported lazily (attribute access below), so this package imports on a CPU-only
 machine without triton; `worklist` never needs it.
