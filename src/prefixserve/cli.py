@@ -32,6 +32,9 @@ _HELP = {
                        "or is late ends the start with its exit code and stderr)",
     "enforce_eager": "CUDA: launch every kernel of a decode step (no CUDA graphs; for debugging "
                      "and comparison)",
+    "deterministic": "a request's tokens and logprobs are bit-identical whatever else is batched or shared "
+                     "with it (batch-invariant GEMMs, attention over fixed key cells; unseeded sampling "
+                     "draws with --seed); slower than the default",
     "chunk_size": "tokens per KV chunk (vLLM's block size); default 64 on CUDA (one key tile of "
                   "the attention kernels), 16 on CPU",
     "kv_cache_memory": "bytes for the KV cache (default: 1 GiB on CPU, 90%% of free GPU memory)",

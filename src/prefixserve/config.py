@@ -227,6 +227,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     tp_join_timeout: float = 120.0  # seconds for every worker to start and join the rendezvous
     enforce_eager: bool = False  # CUDA: run decode steps without CUDA graphs
+    # a request's tokens and logprobs bit for bit the same whatever else runs with it (issue 24):
+    # batch-invariant GEMMs, attention over fixed key cells merged in a fixed order, rank-ordered
+    # all-reduce, seeded sampling (unseeded requests draw with `seed`)
+    deterministic: bool = False
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
 

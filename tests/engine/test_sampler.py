@@ -203,3 +203,24 @@ def test_seeded_rows_draw_from_the_right_distribution():
         row.output_token_ids.append(steps[-1])
     freq = torch.bincount(torch.tensor(steps), minlength=PROBS.numel()).float() / len(steps)
     torch.testing.assert_close(freq, PROBS, atol=0.04, rtol=0)
+
+
+def test_deterministic_rows_do_not_depend_on_the_batch():
+    """Deterministic mode: each row's token and logprobs the same alone as in any batch (top-k,
+    top-p and min-p over the row's whole vocabulary, ties in bf16-rounded logits included).
+    PREFIXSERVE_TRITON_TEST_DEVICE=cuda runs it on a GPU, where torch's scans follow the shape."""
+    import os
+    device = torch.device(os.environ.get("PREFIXSERVE_TRITON_TEST_DEVICE", "cpu"))
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(12, 4000, generator=gen) * 3).bfloat16().float().to(device)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp, seed=s, logprobs=lp)
+              for t, k, p, mp, s, lp in [(0.8, 0, 0.9, 0, 1, 3), (1.0, 20, 1.0, 0, 2, 1), (0.7, 50, 0.95, 0, 3, 0),
+                                         (0, 0, 1.0, 0, 4, 5), (1.2, 0, 0.5, 0.05, 5, 2), (0.9, 7, 0.99, 0, 6, 4)] * 2]
+    rows = [Row(p, p.seed) for p in params]
+    sampler = Sampler((EOS,), deterministic=True)
+    together = sampler.sample(logits, rows)
+    for i in range(len(rows)):
+        for others in ([], [(i + 1) % len(rows)], [(i + 3) % len(rows), (i + 5) % len(rows)]):
+            at = [i, *others]
+            out = sampler.sample(logits[at], [rows[j] for j in at])
+            assert out.token_ids[0] == together.token_ids[i] and out.logprobs[0] == together.logprobs[i], (i, others)

@@ -1,16 +1,18 @@
-"""`prefixserve bench kernels | moe | throughput | serve | side-channel | eviction`: each a module with `register(subparsers)`."""
+"""`prefixserve bench kernels | gemm | moe | throughput | serve | side-channel | eviction | determinism`: each a
+module with `register(subparsers)`."""
 
 from __future__ import annotations
 
 import importlib
 
-BENCHMARKS = ("prefixserve.bench.kernels", "prefixserve.bench.moe", "prefixserve.bench.throughput",
-              "prefixserve.bench.serving", "prefixserve.bench.side_channel", "prefixserve.bench.eviction")
+BENCHMARKS = ("prefixserve.bench.kernels", "prefixserve.bench.gemm", "prefixserve.bench.moe", "prefixserve.bench.throughput",
+              "prefixserve.bench.serving", "prefixserve.bench.side_channel", "prefixserve.bench.eviction",
+              "prefixserve.bench.determinism")
 
 
 def register(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: attention kernels, MoE op, offline throughput, online serving, "
-                                          "side channel, eviction",
+    bench = sub.add_parser("bench", help="benchmarks: attention kernels, deterministic GEMM, MoE op, offline throughput, "
+                                          "online serving, side channel, eviction, determinism",
                            description="Benchmarks. Each prints a short table and writes JSON + PNG "
                                        "under benchmarks/results/, named by workload, model and hardware.")
     bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")

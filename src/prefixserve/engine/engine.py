@@ -97,7 +97,7 @@ class LLMEngine:
             check_divides(ModelConfig.from_hf(loader.resolve(cfg).config), tp)
         self.workers = Workers(cfg) if tp > 1 else None
         try:
-            rank = build_rank(cfg, TPGroup(0, tp))
+            rank = build_rank(cfg, TPGroup(0, tp, cfg.deterministic))
         except BaseException:
             if self.workers:
                 self.workers.kill()
@@ -120,7 +120,7 @@ class LLMEngine:
             raise ValueError(f"the KV cache ({self.pool.num_chunks} chunks of {self.pool.chunk_size} tokens, with "
                              "one kept spare) cannot hold a single sequence; raise kv_cache_memory")
         self.eos_token_ids = self._eos_ids()
-        self.runner = ModelRunner(rank, self.tree, Sampler(self.eos_token_ids), self.workers)
+        self.runner = ModelRunner(rank, self.tree, Sampler(self.eos_token_ids, cfg.deterministic), self.workers)
         self.requests: dict[str, Request] = {}
         self.pins = PinTable(cfg.cache.max_pinned_tokens_per_tenant)
         self._inflight: collections.deque[Launched] = collections.deque()
@@ -442,6 +442,8 @@ class LLMEngine:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) can never fit "
                              f"in the KV cache of {self.pool.num_chunks * C} tokens; "
                              "raise kv_cache_memory or lower max_tokens")
+        if self.cfg.deterministic and params.seed is None:  # draws from the global generator depend on the batch
+            params = dataclasses.replace(params, seed=self.cfg.seed)
         return dataclasses.replace(params, max_tokens=max_tokens) if params.max_tokens is None else params
 
     def _eos_ids(self) -> tuple[int, ...]:

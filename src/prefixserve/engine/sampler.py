@@ -80,8 +80,11 @@ class DeviceSample:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, eos_token_ids: tuple[int, ...], deterministic: bool = False) -> None:
+        """deterministic: every row's result independent of the other rows (top-k / top-p over
+        the whole vocabulary, not the batch's largest k; the engine seeds every request)."""
         self.eos_token_ids = tuple(eos_token_ids)
+        self.deterministic = deterministic
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
         """logits: [B, V] fp32, row b belongs to rows[b]."""
@@ -95,8 +98,8 @@ class Sampler:
         processed = logits.clone()
         self._mask_early_stops(processed, rows)
         _apply_penalties(processed, rows)
-        token_ids = _choose(processed, rows)  # [B] int64
-        return DeviceSample(token_ids, _LogprobTensors.of(logits, token_ids, rows))
+        token_ids = _choose(processed, rows, self.deterministic)  # [B] int64
+        return DeviceSample(token_ids, _LogprobTensors.of(logits, token_ids, rows, self.deterministic))
 
     def _mask_early_stops(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         """Forbid every token that would end a row before it has min_tokens output tokens."""
@@ -170,29 +173,30 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     logits[index] = sub
 
 
-def _choose(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def _choose(logits: torch.Tensor, rows: Sequence[SamplingRow], whole_vocab: bool) -> torch.Tensor:
     """[B] int64: argmax of the penalised logits for greedy rows, a draw for the others."""
     greedy = [b for b, row in enumerate(rows) if row.params.greedy]
     if len(greedy) == len(rows):
         return logits.argmax(-1)
     if not greedy:
-        return _draw(logits, rows)
+        return _draw(logits, rows, whole_vocab)
     token_ids = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
     at = _to_device(greedy, logits.device)
     token_ids[at] = logits[at].argmax(-1)
     drawn = [b for b, row in enumerate(rows) if not row.params.greedy]
     at = _to_device(drawn, logits.device)
-    token_ids[at] = _draw(logits[at], [rows[b] for b in drawn])
+    token_ids[at] = _draw(logits[at], [rows[b] for b in drawn], whole_vocab)
     return token_ids
 
 
-def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """logits: [R, V] penalised, rows not greedy. Returns [R] int64 sampled token ids."""
+def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow], whole_vocab: bool) -> torch.Tensor:
+    """logits: [R, V] penalised, rows not greedy. Returns [R] int64 sampled token ids.
+    whole_vocab: top-k / top-p sort every row's whole vocabulary (see `_top_k_top_p`)."""
     params = [row.params for row in rows]
     device = logits.device
     logits = logits / _column([p.temperature for p in params], device)
     if any(p.top_k or p.top_p < 1 for p in params):
-        logits = _top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
+        logits = _top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params], whole_vocab)
     probs = logits.softmax(-1)
     if any(p.min_p > 0 for p in params):
         min_p = _column([p.min_p for p in params], device)
@@ -200,17 +204,27 @@ def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     return (probs / _exponential_noise(probs, rows)).argmax(-1)
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float], whole_vocab: bool = False) -> torch.Tensor:
     """logits: [R, V]. Keep each row's k largest logits (k = 0: all), then the smallest
     most-likely set whose probability mass reaches p (at least one token)."""
     vocab_size = logits.shape[1]
     k = [k or vocab_size for k in top_k]
-    # When every row has a top_k, no row keeps a token outside the largest max(k): skip the full sort.
-    values, order = logits.topk(max(k), dim=-1)  # [R, W], descending
+    # When every row has a top_k, no row keeps a token outside the largest max(k): skip the full
+    # sort -- unless whole_vocab (deterministic mode): a row's softmax and cumsum over W values
+    # would depend on the other rows' k (W = max k), and topk's order of tied values on its
+    # algorithm, which follows the batch; a stable sort orders ties by token id, always.
+    if whole_vocab:
+        values, order = logits.sort(dim=-1, descending=True, stable=True)  # [R, V]
+    else:
+        values, order = logits.topk(max(k), dim=-1)  # [R, W], descending
     kth_largest = values.gather(1, _to_device(k, logits.device).unsqueeze(1) - 1)  # [R, 1]
     values = values.masked_fill(values < kth_largest, float("-inf"))
     probs = values.softmax(-1)
-    mass_before = probs.cumsum(-1) - probs  # [R, W]: mass of the strictly more likely tokens
+    # [R, W]: mass of the strictly more likely tokens. whole_vocab: one row at a time, as torch
+    # picks its scan by the tensor's shape (a lone row's differs from a batch's on CUDA)
+    cumsum = torch.cat([probs[r:r + 1].cumsum(-1) for r in range(probs.shape[0])]) if whole_vocab \
+        else probs.cumsum(-1)
+    mass_before = cumsum - probs
     values = values.masked_fill(mass_before >= _column(top_p, logits.device), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(1, order, values)
 
@@ -265,7 +279,8 @@ class _LogprobTensors:
     tensors: tuple[torch.Tensor, ...]  # sampled [S], its logprob [S], its rank [S], top ids/lps/ranks [S, k]
 
     @classmethod
-    def of(cls, raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]) -> _LogprobTensors | None:
+    def of(cls, raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow],
+           stable: bool = False) -> _LogprobTensors | None:
         """raw: [B, V] unprocessed logits; token_ids: [B]. The sampled token first, then the
         top-k, ranked 1 + (number of tokens with a strictly larger logprob)."""
         asked = {b: row.params.logprobs for b, row in enumerate(rows) if row.params.logprobs is not None}
@@ -276,7 +291,11 @@ class _LogprobTensors:
         sampled = _rows(token_ids, sel).unsqueeze(1)  # [S, 1]
         sampled_lp = logprobs.gather(1, sampled)  # [S, 1]
         sampled_rank = (logprobs > sampled_lp).sum(-1) + 1  # [S]
-        top_lp, top_ids = logprobs.topk(min(max(limits), logprobs.shape[1]), dim=-1)  # [S, k], descending
+        k = min(max(limits), logprobs.shape[1])
+        if stable:  # ties by token id, whatever the batch (topk's tie order follows its algorithm)
+            top_lp, top_ids = (t[:, :k] for t in logprobs.sort(dim=-1, descending=True, stable=True))
+        else:
+            top_lp, top_ids = logprobs.topk(k, dim=-1)  # [S, k], descending
         # Every token more likely than top-k entry j is an earlier top-k entry: count those only.
         top_rank = (top_lp.unsqueeze(1) > top_lp.unsqueeze(2)).sum(-1) + 1  # [S, k]
         return cls(sel, limits, len(rows), (sampled[:, 0], sampled_lp[:, 0], sampled_rank, top_ids, top_lp, top_rank))

@@ -38,7 +38,7 @@ def main() -> None:
                           timeout=store_timeout(args.cfg))
     store.set(joined_key(args.rank), "1")
     init_group(args.cfg, args.rank, args.size, store)
-    state = build_rank(args.cfg, TPGroup(args.rank, args.size))
+    state = build_rank(args.cfg, TPGroup(args.rank, args.size, args.cfg.deterministic))
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)

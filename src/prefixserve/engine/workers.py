@@ -52,6 +52,12 @@ CPU_KV_CACHE_MEMORY = 1 << 30
 # took 10-17% longer per launch on an H200 (Llama-2-7B dims, 1,024 x 16K shared + 64 own).
 # The CPU reference path has no tiles, and small chunks put more boundaries under the tests.
 CUDA_CHUNK_SIZE, CPU_CHUNK_SIZE = 64, 16
+# deterministic mode's key cells (attention/cells.py): a multiple of the GPU kernels' key tile
+# (64 or 128 positions). A cell that sharing splits is read per sequence, a whole one once per
+# step; every cell costs each of its rows a partial (written, merged). On an H100 (Llama-2-7B,
+# 1,024 samples of a 2,048-token prompt) 256-key cells made the decode step 1.75x the default's
+# mostly in partials and short programs; 1,024-key cells give a 2K prefix 2 partials a row.
+CUDA_CELL, CPU_CELL = 1024, 64
 _SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 STDERR_TAIL_BYTES = 2000
 EXIT_GRACE_S = 5.0  # after a failed collective, how long a dying worker gets to be seen dead
@@ -126,8 +132,9 @@ def build_rank(cfg: EngineConfig, tp: TPGroup) -> RankState:
         num_chunks = num_chunks.to(device)
         dist.all_reduce(num_chunks, op=dist.ReduceOp.MIN)
     pool = ChunkPool(m.num_layers, int(num_chunks), chunk_size, kv_heads, m.head_dim, dtype, device)
+    cell = (CUDA_CELL if cuda else CPU_CELL) if cfg.deterministic else None
     shape = AttentionShape(tp.part(m.num_heads, "num_heads"), kv_heads, m.head_dim, m.attn_scale,
-                           dtype, device, m.sliding_window if m.sliding_layers else None)
+                           dtype, device, m.sliding_window if m.sliding_layers else None, cell)
     state = RankState(tp, device, dtype, src, model, pool, create_backend(cfg.attention_backend, shape))
     if cuda and not cfg.enforce_eager:
         if tp.size == 1:
