@@ -5,6 +5,7 @@ Configs are the seeds' systems, each one engine setting (RelayAttention's names 
     paged-nocache  paged backend, prefix caching off   every request computes and stores its own prompt ("vLLM")
     paged          paged backend, prefix caching on    shared prefixes stored and computed once, read per sequence ("vLLM-PS")
     relay | hydragen | chunk | auto                    that backend, caching on: shared prefixes also read once per step
+    auto-det       auto in deterministic mode          bit-identical outputs whatever the batch (its cost: `det_vs_default`)
     no-attention   attention skipped, caching on       Hydragen's throughput ceiling (outputs meaningless)
 
 A result file is `{bench}-{workload}-{model}-{hardware}.json` (+ `.png`) under
@@ -37,6 +38,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "hydragen": {"attention_backend": "hydragen", "enable_prefix_caching": True},
     "chunk": {"attention_backend": "chunk", "enable_prefix_caching": True},
     "auto": {"attention_backend": "auto", "enable_prefix_caching": True},
+    "auto-det": {"attention_backend": "auto", "enable_prefix_caching": True, "deterministic": True},
     "no-attention": {"attention_backend": "no-attention", "enable_prefix_caching": True},
 }
 BASELINE, CEILING = "paged-nocache", "no-attention"

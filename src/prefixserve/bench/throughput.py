@@ -116,6 +116,10 @@ def _add_comparisons(entries: list[dict], outputs: dict[str, list], greedy: bool
             e["cpu_time_" + key] = R.ratio(e["output_tokens_per_cpu_s"], o.get("output_tokens_per_cpu_s"))
             e[key] = R.ratio(e["output_tokens_per_s"], o.get("output_tokens_per_s"))
             e["decode_" + key] = R.ratio(e["decode_tokens_per_s"], o.get("decode_tokens_per_s"))
+        default = by.get(e["config"].removesuffix("-det"))
+        if default is not None and default is not e:  # deterministic mode's cost, same run
+            e["det_vs_default"] = R.ratio(e["output_tokens_per_s"], default["output_tokens_per_s"])
+            e["decode_det_vs_default"] = R.ratio(e["decode_tokens_per_s"], default["decode_tokens_per_s"])
         against = ref if greedy and e["config"] in exact and e["config"] != ref else None
         # one workload: every config returns one output per sequence, in the same order
         mismatched = (None if against is None
@@ -259,12 +263,14 @@ def _profile_summary(steps: list) -> dict | None:
 
 
 def _warmup(llm, wl: W.Workload) -> None:
-    """Two short requests shaped like the workload's (a shared start, distinct ends), their ids
-    shifted so that they share no prefix with the real prompts; two tokens each."""
+    """The workload's first requests at full length (up to 64 prompts, up to 160 samples each,
+    two tokens each), their ids shifted so that they share no prefix with the real prompts:
+    the steps' shapes -- prefill and decode row counts, shared items of many rows -- are the
+    run's, so that every kernel variant it launches is compiled here, not timed (in
+    deterministic mode, with two GEMM shapes and more attention ones, it cost seconds)."""
     vocab = llm.engine.vocab_size
-    prompts = [p[:32] + p[-16:] for p in (wl.prompts * 2)[:2]]
-    prompts = [[(t + _WARMUP_SHIFT) % vocab for t in p] for p in prompts]
-    params = [dataclasses.replace(p, max_tokens=2, n=min(p.n, 2)) for p in (wl.params * 2)[:2]]
+    prompts = [[(t + _WARMUP_SHIFT) % vocab for t in p] for p in wl.prompts[:64]]
+    params = [dataclasses.replace(p, max_tokens=2, n=min(p.n, 160)) for p in wl.params[:64]]
     llm.generate(prompts, params, use_tqdm=False)
 
 
