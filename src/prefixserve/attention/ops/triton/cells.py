@@ -28,9 +28,10 @@ import triton
 import triton.language as tl
 
 from ...base import AttentionBatch, AttentionShape
-from ...plan import DeviceExtras, DevicePlan, HostArrays, HostExtras, required
+from ...plan import DevicePlan, HostArrays, HostExtras, required
 from .attend import _LOG2E, _rows_mask, _tile_update, grid_size, num_sms
 from .cell_worklist import build_cell_work
+from .kernels import _addressable, _int, _tensor
 from .merge import merge_rows
 from .store import store_kv
 from .worklist import KernelConfig, choose_configs, next_pow2
@@ -144,9 +145,9 @@ class CellKernels:
         assert not (padded and work.causal), "a padded (graph) step is a decode step"
         if padded:
             self._reserve(num_out)
-        return {"units": _nonempty(work.units), "unit_count": np.array([len(work.units)], np.int64),
-                "tile_slots": _nonempty(work.tile_slots), "tile_pos": _nonempty(work.tile_pos),
-                "merge_indptr": work.merge_indptr, "merge_parts": _nonempty(work.merge_parts),
+        return {"units": _addressable(work.units), "unit_count": np.array([len(work.units)], np.int64),
+                "tile_slots": _addressable(work.tile_slots), "tile_pos": _addressable(work.tile_pos),
+                "merge_indptr": work.merge_indptr, "merge_parts": _addressable(work.merge_parts),
                 "causal": int(work.causal), "programs": grid_size(len(work.units), s.num_kv_heads, cfg, self.sms, padded)}
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -171,21 +172,3 @@ class CellKernels:
         if self._scratch is None or self._scratch[1].shape[0] < rows:
             self._scratch = self._new(max(256, 1 << max(0, rows - 1).bit_length()))
             self.generation += 1
-
-
-def _int(x: DeviceExtras, name: str) -> int:
-    value = x[name]
-    assert isinstance(value, int), name
-    return value
-
-
-def _tensor(x: DeviceExtras, name: str) -> torch.Tensor:
-    value = x[name]
-    assert isinstance(value, torch.Tensor), name
-    return value
-
-
-def _nonempty(a: np.ndarray) -> np.ndarray:
-    """At least one row (a zero row when empty): an empty device tensor has no address, which
-    a captured graph would replay (see kernels._addressable)."""
-    return a if len(a) else np.zeros((1, *a.shape[1:]), a.dtype)

@@ -148,7 +148,7 @@ def _tensor(x: DeviceExtras, name: str) -> torch.Tensor:
 
 
 def _addressable(units: np.ndarray) -> np.ndarray:
-    """units [U, 6], at least one row (an unused zero row when U = 0; `unit_counts` says U): an
+    """units [U, ...], at least one row (an unused zero row when U = 0; `unit_counts` says U): an
     empty device tensor has no address (`data_ptr()` is 0), so a graph captured with no units of
     a class would replay a later step's units from address 0 (an illegal address on the GPU)."""
-    return units if len(units) else np.zeros((1, units.shape[1]), units.dtype)
+    return units if len(units) else np.zeros((1, *units.shape[1:]), units.dtype)
