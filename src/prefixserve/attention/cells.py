@@ -26,8 +26,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from .base import AttentionBatch, Segment, SeqQueries
-from .schedule import Item, Piece, Schedule
+from .base import AttentionBatch, SeqQueries
+from .schedule import Item, Piece, Schedule, q_runs, segment_pieces
 
 Interval = tuple[int, int]  # key positions [lo, hi)
 
@@ -80,19 +80,15 @@ def cells(sched: Schedule, batch: AttentionBatch, cell: int) -> Schedule:
         for c in _cells_of(spans, cell):
             whole = [i for i in members if _covers(spans, keys[i], c, cell)]
             pieces = _clip(item.pieces, c * cell, (c + 1) * cell)
-            for q_start, q_len in _runs(batch.seqs, whole):
+            for q_start, q_len in q_runs(batch.seqs[i] for i in whole):
                 out.append((c, q_start, q_len, pieces))
             done.update((i, c) for i in whole)
     for i, s in enumerate(batch.seqs):
         for c in _cells_of(keys[i], cell):
             if (i, c) not in done:
-                out.append((c, s.q_start, s.q_len, _clip(_whole(s.segments), c * cell, (c + 1) * cell)))
+                out.append((c, s.q_start, s.q_len, _clip(segment_pieces(s.segments), c * cell, (c + 1) * cell)))
     out.sort(key=lambda x: x[0])  # stable: within a cell, the schedule's order
     return Schedule(tuple(Item(q, n, p) for _, q, n, p in out), sched.num_rows)
-
-
-def _whole(segments: Iterable[Segment]) -> list[Piece]:
-    return [Piece(s, 0, s.length) for s in segments if s.length > 0]
 
 
 def _members(item: Item, batch: AttentionBatch, seq_at: dict[int, int]) -> list[int]:
@@ -112,17 +108,6 @@ def _covers(spans: list[Interval], keys: list[Interval], c: int, cell: int) -> b
         if lo < hi and not any(a <= lo and hi <= b for a, b in spans):
             return False
     return True
-
-
-def _runs(seqs: tuple[SeqQueries, ...], members: list[int]) -> list[tuple[int, int]]:
-    """The query rows of `members` as maximal contiguous runs (start, length)."""
-    runs: list[tuple[int, int]] = []
-    for s in (seqs[i] for i in members):
-        if runs and runs[-1][0] + runs[-1][1] == s.q_start:
-            runs[-1] = (runs[-1][0], runs[-1][1] + s.q_len)
-        else:
-            runs.append((s.q_start, s.q_len))
-    return runs
 
 
 def crosses(next_positions: np.ndarray, cell: int) -> bool:

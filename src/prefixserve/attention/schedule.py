@@ -69,14 +69,14 @@ class Schedule:
 Group = tuple[int, int, tuple[Piece, ...]]  # sequences [i, j) read these pieces
 
 
-def _whole(segments: Iterable[Segment]) -> tuple[Piece, ...]:
+def segment_pieces(segments: Iterable[Segment]) -> tuple[Piece, ...]:
     return tuple(Piece(s, 0, s.length) for s in segments if s.length > 0)
 
 
-def _q_runs(seqs: tuple[SeqQueries, ...], i: int, j: int) -> list[tuple[int, int]]:
-    """The query rows of sequences [i, j) as maximal contiguous runs (start, length)."""
+def q_runs(seqs: Iterable[SeqQueries]) -> list[tuple[int, int]]:
+    """The query rows of `seqs` as maximal contiguous runs (start, length)."""
     runs: list[tuple[int, int]] = []
-    for s in seqs[i:j]:
+    for s in seqs:
         if runs and runs[-1][0] + runs[-1][1] == s.q_start:
             runs[-1] = (runs[-1][0], runs[-1][1] + s.q_len)
         else:
@@ -95,12 +95,12 @@ def _check(batch: AttentionBatch) -> None:
 def _assemble(batch: AttentionBatch, groups: list[Group]) -> Schedule:
     _check(batch)
     items = tuple(Item(qs, n, pieces) for i, j, pieces in groups if pieces
-                  for qs, n in _q_runs(batch.seqs, i, j))
+                  for qs, n in q_runs(batch.seqs[i:j]))
     return Schedule(items, batch.num_tokens)
 
 
 def paged(batch: AttentionBatch) -> Schedule:
-    return _assemble(batch, [(i, i + 1, _whole(s.segments)) for i, s in enumerate(batch.seqs)])
+    return _assemble(batch, [(i, i + 1, segment_pieces(s.segments)) for i, s in enumerate(batch.seqs)])
 
 
 def _common_prefix(batch: AttentionBatch) -> tuple[Segment, ...]:
@@ -120,10 +120,10 @@ def relay(batch: AttentionBatch) -> Schedule:
     if not shared:
         return paged(batch)
     segs = batch.seqs[0].segments
-    groups: list[Group] = [(0, len(batch.seqs), _whole(segs[i] for i in shared))]
+    groups: list[Group] = [(0, len(batch.seqs), segment_pieces(segs[i] for i in shared))]
     for i, s in enumerate(batch.seqs):
         rest = (g for n, g in enumerate(s.segments) if n not in shared)
-        groups.append((i, i + 1, _whole(rest)))
+        groups.append((i, i + 1, segment_pieces(rest)))
     return _assemble(batch, groups)
 
 
@@ -174,7 +174,7 @@ def split_shared(batch: AttentionBatch) -> tuple[list[tuple[int, int, Piece]], l
                 b += 1
             if seg is not None and b - a == 1:
                 k, off = cursor[a]
-                private[a] = [Piece(seg, off, seg.length), *_whole(seqs[a].segments[k + 1:])]
+                private[a] = [Piece(seg, off, seg.length), *segment_pieces(seqs[a].segments[k + 1:])]
             elif seg is not None:
                 share(a, b, seg)
                 walk(a, b)

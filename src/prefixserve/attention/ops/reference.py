@@ -161,13 +161,12 @@ def attend_cells(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """`attend_items` of a cell schedule, with every (row, cell) partial computed on the same
     shapes whatever the item: a BLAS's sum order follows the shape (rows, keys), so a row's bits
     would depend on how many rows and keys it was batched with. Each item's keys go to their
-    places in a [CELL] key block (absent keys: 0, masked), and its rows, R = CELL_ROWS // G at a
-    time (the last block padded), make [Hkv, R*G, D] x [Hkv, D, CELL] scores, then
-    [Hkv, R*G, CELL] x [Hkv, CELL, D] values: one shape for every product of the model."""
+    places in a [CELL] key block (absent keys: 0, at a position no row reaches), and its rows,
+    R = CELL_ROWS // G at a time (the last block padded with rows that see nothing), go through
+    `partial_attention`: one shape for every product of the model."""
     hkv, d = k_cache.shape[2:]
     hq = q.shape[1]
-    g = hq // hkv
-    rows = max(1, CELL_ROWS // g)
+    rows = max(1, CELL_ROWS // (hq // hkv))
     flat_k, flat_v = k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, d)
     slots, k_pos, key_indptr = _expand_entries(k_cache.shape[1], kv_chunk, kv_lo, kv_hi, kv_pos)
     bounds = key_indptr[item_kv_indptr.long()].tolist()
@@ -178,48 +177,21 @@ def attend_cells(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         pos = k_pos[bounds[i]:bounds[i + 1]]
         base = int(pos[0]) // cell * cell
         assert int(pos[-1]) < base + cell, "an item of a cell schedule reads one cell"
-        keys = slots[bounds[i]:bounds[i + 1]]
-        k = q.new_zeros((cell, hkv, d), dtype=torch.float32)
+        k = q.new_zeros((cell, hkv, d))
         v = torch.zeros_like(k)
-        k[pos - base], v[pos - base] = flat_k[keys].float(), flat_v[keys].float()
-        present = torch.zeros(cell, dtype=torch.bool, device=q.device)
-        present[pos - base] = True
-        kh, vh = k.permute(1, 2, 0), v.permute(1, 0, 2)  # [Hkv, D, CELL], [Hkv, CELL, D]
+        keys = slots[bounds[i]:bounds[i + 1]]
+        k[pos - base], v[pos - base] = flat_k[keys], flat_v[keys]
+        block_pos = torch.full((cell,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=q.device)
+        block_pos[pos - base] = pos
         for r in range(0, n, rows):
             m = min(rows, n - r)
             qp = torch.full((rows,), -1, dtype=torch.int64, device=q.device)  # padding rows see no key
             qp[:m] = q_pos[qs + r:qs + r + m].long()
-            qb = q.new_zeros((rows, hq, d), dtype=torch.float32)
-            qb[:m] = q[qs + r:qs + r + m].float()
-            ob, lb = _cell_partial(qb, kh, vh, qp, present, base, scale, window)
+            qb = q.new_zeros((rows, hq, d))
+            qb[:m] = q[qs + r:qs + r + m]
+            ob, lb = partial_attention(qb, k, v, qp, block_pos, scale, window)
             o[out + r:out + r + m], lse[out + r:out + r + m] = ob[:m], lb[:m]
     return o, lse
-
-
-def _cell_partial(q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q_pos: torch.Tensor,
-                  present: torch.Tensor, base: int, scale: float,
-                  window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [R, Hq, D] fp32; kh: [Hkv, D, CELL]; vh: [Hkv, CELL, D]; q_pos: [R]; present: [CELL]
-    -> o [R, Hq, D], lse [R, Hq] over the cell's present keys that each row sees."""
-    r, hq, d = q.shape
-    hkv, cell = kh.shape[0], kh.shape[2]
-    g = hq // hkv
-    qh = q.reshape(r, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, r * g, d)
-    scores = torch.bmm(qh, kh) * scale  # [Hkv, R*G, CELL]
-    k_pos = base + torch.arange(cell, device=q.device)
-    visible = present[None, :] & (k_pos[None, :] <= q_pos[:, None])  # [R, CELL]
-    if window is not None:
-        visible &= k_pos[None, :] > q_pos[:, None] - window
-    scores = scores.masked_fill(~visible.repeat_interleave(g, dim=0), NEG_INF)
-    m = scores.amax(-1)  # [Hkv, R*G]; -inf: the row sees nothing here
-    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    p = torch.exp(scores - m_safe[..., None])
-    denom = p.sum(-1)
-    seen = denom > 0
-    o = torch.bmm(p, vh) / torch.where(seen, denom, 1.0)[..., None]  # [Hkv, R*G, D]
-    lse = torch.where(seen, m_safe + torch.log(torch.where(seen, denom, 1.0)), NEG_INF)
-    o = o.reshape(hkv, r, g, d).permute(1, 0, 2, 3).reshape(r, hq, d)
-    return o, lse.reshape(hkv, r, g).permute(1, 0, 2).reshape(r, hq)
 
 
 def merge_in_order(o_parts: torch.Tensor, lse_parts: torch.Tensor, row_indptr: torch.Tensor,

@@ -25,7 +25,7 @@ import dataclasses
 
 import numpy as np
 
-from .worklist import KernelConfig, _csr
+from .worklist import KernelConfig, _csr, needs_causal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,23 +75,14 @@ def build_cell_work(a: dict[str, np.ndarray | None], cfg: KernelConfig, group: i
     indptr, kv_pos, q_pos = req("item_kv_indptr"), req("kv_pos"), req("q_pos")
     tile_slots, tile_pos, item_tiles = tile_keys(indptr, req("kv_chunk"), req("kv_lo"), req("kv_hi"),
                                                  kv_pos, chunk_size, cfg.block_n)
-    # the last key of each item vs its first row: is a position mask needed?
-    last_key = (kv_pos + req("kv_hi") - req("kv_lo") - 1)[indptr[1:] - 1]
-    causal = bool((_first_row_pos(q_pos, q_start, q_len) < last_key).any())
+    items = np.stack([q_start, q_len, indptr[:-1], indptr[1:]], axis=1)  # the shape needs_causal reads
+    causal = needs_causal(items, q_pos, kv_pos, req("kv_lo"), req("kv_hi"))
     units = _units(q_start, q_len, item_tiles[:-1], item_tiles[1:], out_start, max(1, cfg.block_m // group))
     ptr, parts = a["row_indptr"], a["row_parts"]
     if ptr is None or parts is None:  # one partial per row, at the row's own index
         ptr = np.minimum(np.arange(len(q_pos) + 1), num_out_rows)
         parts = np.arange(num_out_rows)
     return CellWork(tile_slots, tile_pos, units, causal, ptr, parts)
-
-
-def _first_row_pos(q_pos: np.ndarray, q_start: np.ndarray, q_len: np.ndarray) -> np.ndarray:
-    """[I]: the smallest query position among each item's rows."""
-    if not len(q_len):
-        return q_len
-    rows = np.repeat(q_start, q_len) + np.arange(int(q_len.sum())) - np.repeat(_csr(q_len)[:-1], q_len)
-    return np.minimum.reduceat(q_pos[rows], _csr(q_len)[:-1])
 
 
 def _units(q_start: np.ndarray, q_len: np.ndarray, t0: np.ndarray, t1: np.ndarray, out: np.ndarray,
