@@ -43,9 +43,11 @@ CASES = [(i, dt, d, g, (16, 64)[i % 2], bool(i // 2 % 2), (128, 256)[i // 4 % 2]
 def executor(shape) -> CellKernels:
     if DEVICE.type != "cpu":
         return CellKernels(shape)
-    # Interpreted, a row's products in a 16-row tile and in a 64-row one may differ in the last
-    # bit (numpy's, seen in the chained split cells): there the narrow class takes the wide
-    # shape. Compiled, the two shapes agree (cell_configs), and the GPU run checks both.
+    # Interpreted, a row's chain of tile updates run partly in a 64-row tile and partly in a
+    # 16-row one (a split cell's prefix, then its continuation) came out a last bit off the
+    # chain run in one shape (the interpreter's arithmetic; its dot and sum alone agree across
+    # the two shapes): there the narrow class takes the wide shape. Compiled, the two shapes
+    # agree (cell_configs), and the GPU run of this file checks both.
     narrow, wide = cell_configs(shape)
     return CellKernels(shape, (dataclasses.replace(narrow, block_m=wide.block_m), wide), sms=3)
 

@@ -213,12 +213,10 @@ def _concat(parts: list[Work]) -> Work:
 def _assemble(classes: list[Work]) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """One segment array for all classes; per class units [U, 4] (q_start, q_len, s0, s1),
     most tiles first."""
-    base = np.cumsum([0] + [len(s) for _, s, _ in classes])
-    segs = np.concatenate([s for _, s, _ in classes]).reshape(-1, 4)
+    units, segs, indptr = _concat(classes)
+    u = np.concatenate([units.reshape(-1, 2), indptr[:-1, None], indptr[1:, None]], axis=1).astype(np.int64)
     tiles = np.concatenate([[0], np.cumsum(segs[:, 1] - segs[:, 0])])
-    out = []
-    for (units, _, indptr), b in zip(classes, base[:-1], strict=True):
-        u = np.concatenate([units.reshape(-1, 2), (indptr[:-1] + b)[:, None], (indptr[1:] + b)[:, None]], axis=1)
-        cost = tiles[u[:, 3]] - tiles[u[:, 2]]
-        out.append(u[np.argsort(-cost, kind="stable")].astype(np.int64))
-    return segs.astype(np.int64), (out[0], out[1], out[2])
+    cost = tiles[u[:, 3]] - tiles[u[:, 2]]
+    bounds = np.cumsum([0] + [len(c[0]) for c in classes])
+    out = [u[a:b][np.argsort(-cost[a:b], kind="stable")] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return segs.reshape(-1, 4).astype(np.int64), (out[0], out[1], out[2])
