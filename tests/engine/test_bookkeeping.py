@@ -47,6 +47,74 @@ def test_on_launched_marks_computed_and_leaves_pending_tokens():
     assert seq.output_token_ids == [PENDING] and seq.pending == 1
 
 
+def add_samples(sched: Scheduler, prompt: list[int], n: int, name: str) -> list[Sequence]:
+    req = Request(name, None, prompt, SamplingParams(max_tokens=8, n=n))
+    req.seqs = [Sequence(i, req, i, None) for i in range(n)]
+    for seq in req.seqs:
+        sched.add(seq)
+    return req.seqs
+
+
+def grants(out):
+    return [(g.seq.index, g.start, g.num_tokens, g.sample) for g in out.seqs]
+
+
+def test_samples_of_one_prompt_compute_it_once_and_fork_from_its_last_token():
+    sched = make_scheduler(max_num_batched_tokens=6)
+    a, b, c = add_samples(sched, list(range(10)), 3, "r")
+    out = sched.schedule()
+    assert grants(out) == [(0, 0, 6, False)] and out.forks == []  # the followers are never granted
+    assert a.leaf is b.leaf is c.leaf
+    sched.on_launched(out)
+    sched.check_integrity(())
+    out = sched.schedule()
+    assert grants(out) == [(0, 6, 4, True)] and out.forks == [(b, a), (c, a)]
+    sched.on_launched(out)
+    assert sched.computed_prompt_tokens == 10 and all(s.output_token_ids == [PENDING] for s in (a, b, c))
+    sched.on_sampled([a, b, c], [7, 8, 7], lambda *_: None)
+    out = sched.schedule()  # each sample decodes its own token below the whole shared prompt
+    assert sorted(grants(out)) == [(0, 10, 1, True), (1, 10, 1, True), (2, 10, 1, True)] and out.forks == []
+    assert {len(sched.tree.path(s.leaf)) for s in (a, b, c)} == {2}
+    sched.check_integrity(())
+
+
+def test_a_leader_leaving_before_it_samples_hands_its_followers_on():
+    sched = make_scheduler(max_num_batched_tokens=6)
+    a, b, c = add_samples(sched, list(range(10)), 3, "r")
+    sched.on_launched(sched.schedule())
+    sched.finish(a, "abort")
+    sched.check_integrity(())
+    out = sched.schedule()  # b takes over the path a half computed; c follows b
+    assert grants(out) == [(1, 6, 4, True)] and out.forks == [(c, b)]
+    sched.on_launched(out)
+    assert sched.computed_prompt_tokens == 10
+    sched.check_integrity(())
+
+
+def test_a_preempted_follower_follows_again_or_computes_its_own_last_token():
+    sched = make_scheduler()
+    a, b, c = add_samples(sched, list(range(10)), 3, "r")
+    sched.schedule()
+    assert sched._preempt_last() is c and list(sched.waiting) == [c]
+    sched.check_integrity(())
+    out = sched.schedule()  # c is admitted again behind its leader
+    assert grants(out) == [(0, 0, 10, True)] and out.forks == [(b, a), (c, a)]
+    sched.on_launched(out)
+    sched.on_sampled([a, b, c], [7, 8, 9], lambda *_: None)
+    assert sched._preempt_last() is c
+    out = sched.schedule()  # its leader has sampled: c recomputes its last token itself
+    assert (2, 10, 1, True) in grants(out) and out.forks == []
+    sched.check_integrity(())
+
+
+def test_samples_do_not_fork_with_prefix_caching_off():
+    pool = ChunkPool(1, 64, C, 1, 2, torch.float32, torch.device("cpu"))
+    sched = Scheduler(SchedulerConfig(), PrefixTree(pool, False))
+    add_samples(sched, list(range(10)), 2, "r")
+    out = sched.schedule()
+    assert grants(out) == [(0, 0, 10, True), (1, 0, 10, True)] and out.forks == []
+
+
 def test_on_sampled_resolves_in_sequence_and_tree_and_finishes_on_stop():
     sched = make_scheduler()
     a, b = add(sched, [1, 2, 3], name="a"), add(sched, [5, 6, 7], name="b")

@@ -153,7 +153,7 @@ class LLMEngine:
         outputs = [] if overlap else self._collect_all(keep=0)
         self._stepping = []
         sched = self.scheduler.schedule()
-        self._stepping = [g.seq for g in sched.seqs]
+        self._stepping = [g.seq for g in sched.seqs] + [f for f, _ in sched.forks]
         if sched.seqs:
             self._inflight.append(self._launch(sched))
         outputs += self._collect_all(keep=1 if overlap and sched.seqs else 0)

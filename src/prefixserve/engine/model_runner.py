@@ -48,7 +48,7 @@ class StepTiming:
 class Launched:
     """A step queued on the device."""
 
-    rows: list[Sequence]  # the sequences of the sampled rows, in row order
+    rows: list[Sequence]  # the sequences of the sampled rows, in row order, then the forks' followers
     sampled: DeviceSample | None  # None: the step samples nothing
     num_rows: int  # query rows
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # profiling: CUDA (start, end) events
@@ -76,6 +76,11 @@ class ModelRunner:
             events[0].record()
         logits = self.rank.forward(self._fill_pending(ids, sched), positions, batch, sample_rows)
         rows = [g.seq for g in sched.seqs if g.sample]
+        if sched.forks and logits is not None:  # followers draw from their leaders' rows
+            row_of = {seq: r for r, seq in enumerate(rows)}
+            src = torch.tensor([row_of[leader] for _, leader in sched.forks])
+            logits = torch.cat([logits, logits[self.rank.upload(src)]])
+            rows += [follower for follower, _ in sched.forks]
         sampled = None if logits is None else self.sampler.sample_on_device(logits, rows)
         if events:
             events[1].record()

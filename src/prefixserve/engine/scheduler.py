@@ -28,6 +28,17 @@ sequence's last token may then be PENDING (sampled, not read). It is put in the 
 granted like any other token (its value reaches the model on the device); a sequence whose
 pending tokens already make `max_tokens` is granted nothing.
 
+Samples of one prompt fork (vLLM V0's fork). A sequence is admitted one token short of a full
+match, so that its last prompt token is computed and gives the logits of its first sample.
+With prefix caching on, the samples (`n > 1`) of a request do that once: the first admitted
+with no output is the request's *leader*; a sibling admitted while the leader has not yet
+sampled *follows* it: it holds the leader's path (the whole prompt, last token included) and
+is never granted; the step that samples the leader lists each follower in `forks`, and the
+follower draws its first token from the leader's logits row. So the samples share every
+prompt token, not all but the last one. A leader that leaves before sampling (preempted,
+aborted) hands its followers to the first of them. Followers are admitted after their leader,
+so preemption (last admitted first) takes them before it.
+
 The scheduler owns the sequences' and the tree's bookkeeping (vLLM's `update_from_output`):
 what a launched step computed (`on_launched`), the tokens a step sampled (`on_sampled`), and
 pinning. The engine reaches the tree only through it; the model runner only reads paths
@@ -59,10 +70,19 @@ class ScheduledSeq(NamedTuple):  # a tuple: built for every running sequence, ev
 class SchedulerOutput:
     seqs: list[ScheduledSeq]  # depth-first tree order
     preempted: list[Sequence]
+    forks: list[tuple[Sequence, Sequence]] = dataclasses.field(default_factory=list)  # (follower, its leader)
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.seqs)
+
+
+@dataclasses.dataclass
+class Fork:
+    """The samples of one request that share its prompt's last token (module docstring)."""
+
+    leader: Sequence  # computes the prompt; its sampling step gives the followers' logits
+    followers: list[Sequence]  # running, never granted, in admission order
 
 
 class Scheduler:
@@ -76,6 +96,8 @@ class Scheduler:
         self.tenant_tokens: dict[str, list[int]] = {}  # tenant -> [prompt tokens, prefix hit tokens]
         self._last_sig: tuple[int, tuple[int, ...]] | None = None  # (tree version, leaves' ids) of the last sorted grant
         self._last_perm: list[int] = []
+        self._forks: dict[str, Fork] = {}  # request id -> its leader (not yet sampled) and followers
+        self._following: set[Sequence] = set()  # the followers
 
     def add(self, seq: Sequence) -> None:
         self.waiting[seq] = None
@@ -90,13 +112,16 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         claimed: set[int] = set()  # ids of the nodes a grant starts in
         granted: list[ScheduledSeq] = []
-        by_demand = sorted(self.running, key=self._demand)  # stable: ties keep admission order
+        by_demand = sorted((s for s in self.running if s not in self._following),
+                           key=self._demand)  # stable: ties keep admission order
         for i, seq in enumerate(by_demand):
             cap = budget if i == len(by_demand) - 1 else min(budget, self._half)
             if budget > 0 and (g := self._grant(seq, cap, claimed)):
                 granted.append(g)
                 budget -= g.num_tokens
-        return SchedulerOutput(self._in_tree_order(granted), preempted)
+        forks = [(f, g.seq) for g in granted if g.sample and (fork := self._fork_led_by(g.seq))
+                 for f in fork.followers]
+        return SchedulerOutput(self._in_tree_order(granted), preempted, forks)
 
     @property
     def _half(self) -> int:
@@ -104,7 +129,10 @@ class Scheduler:
         return max(1, self.cfg.max_num_batched_tokens // 2)
 
     def _demand(self, seq: Sequence) -> int:
-        """Tokens from the sequence's computed frontier to its end (1 for a decode)."""
+        """Tokens from the sequence's computed frontier to its end (1 for a decode); 0 for a
+        follower (its leader computes its path)."""
+        if seq in self._following:
+            return 0
         return seq.num_tokens - self.tree.frontier(seq.held_leaf)[0]
 
     def _in_tree_order(self, granted: list[ScheduledSeq]) -> list[ScheduledSeq]:
@@ -138,6 +166,7 @@ class Scheduler:
         """Stop a sequence (running or waiting) and release its path. O(1) but for the release."""
         seq.drop_pending()
         if seq.status is Status.RUNNING:
+            self._unfork(seq)
             del self.running[seq]
             self.tree.release(seq.held_leaf)
             seq.leaf = None
@@ -156,6 +185,12 @@ class Scheduler:
             if g.sample and not seq.request.prefill_only:
                 seq.output_token_ids.append(PENDING)
                 seq.pending += 1
+                if self._fork_led_by(seq):
+                    del self._forks[seq.request.request_id]
+        for follower, _ in sched.forks:
+            self._following.remove(follower)
+            follower.output_token_ids.append(PENDING)
+            follower.pending += 1
 
     def on_sampled(self, rows: list[Sequence], token_ids: list[int],
                    stop: Callable[[Sequence, int, int], str | None]) -> dict[str, Request]:
@@ -225,15 +260,29 @@ class Scheduler:
             assert seq.status is Status.RUNNING and seq.leaf is not None and seq.leaf.end <= seq.num_tokens
         for seq in self.waiting:
             assert seq.status is Status.WAITING and seq.leaf is None
+        for fork in self._forks.values():
+            assert fork.leader in self.running and not fork.leader.output_token_ids, fork
+            for f in fork.followers:
+                assert f in self._following and f in self.running and f.leaf is fork.leader.leaf, (fork, f)
+        assert len(self._following) == sum(len(f.followers) for f in self._forks.values())
 
     def _admit(self, seq: Sequence) -> int | None:
-        """Insert the sequence's tokens into the tree; -> tokens matched, None if out of chunks."""
+        """Insert the sequence's tokens into the tree (or follow its request's leader); -> tokens
+        matched, None if out of chunks."""
         tokens, req = seq.token_ids, seq.request
-        limit = len(tokens) if req.prefill_only else len(tokens) - 1
-        try:
-            seq.leaf, matched = self.tree.insert(tokens, limit, req.partition)
-        except OutOfChunks:
-            return None
+        forkable = self.tree.caching and len(req.seqs) > 1 and not seq.output_token_ids
+        if forkable and (fork := self._forks.get(req.request_id)):
+            seq.leaf, matched = self.tree.hold(fork.leader.held_leaf), len(tokens)
+            fork.followers.append(seq)
+            self._following.add(seq)
+        else:
+            limit = len(tokens) if req.prefill_only else len(tokens) - 1
+            try:
+                seq.leaf, matched = self.tree.insert(tokens, limit, req.partition)
+            except OutOfChunks:
+                return None
+            if forkable:
+                self._forks[req.request_id] = Fork(seq, [])
         if seq.cached_prompt_tokens is None:  # first admission (not a return from preemption)
             seq.cached_prompt_tokens = matched
             self.prefix_hit_tokens += matched
@@ -264,8 +313,27 @@ class Scheduler:
                     preempted.append(self._preempt_last())
         return preempted
 
+    def _fork_led_by(self, seq: Sequence) -> Fork | None:
+        fork = self._forks.get(seq.request.request_id)
+        return fork if fork is not None and fork.leader is seq else None
+
+    def _unfork(self, seq: Sequence) -> None:
+        """`seq` stops running: it leaves its leader's followers, or, a leader, hands its
+        followers to the first of them (who computes the path they all hold)."""
+        rid = seq.request.request_id
+        if seq in self._following:
+            self._following.remove(seq)
+            self._forks[rid].followers.remove(seq)
+        elif fork := self._fork_led_by(seq):
+            del self._forks[rid]
+            if fork.followers:
+                head = fork.followers[0]
+                self._following.remove(head)
+                self._forks[rid] = Fork(head, fork.followers[1:])
+
     def _preempt_last(self) -> Sequence:
         victim, _ = self.running.popitem()  # the last admitted
+        self._unfork(victim)
         self.num_preemptions += 1
         self.tree.release(victim.held_leaf)
         victim.leaf, victim.status = None, Status.WAITING

@@ -228,6 +228,12 @@ class PrefixTree:
         self._move_holder(node, leaf)
         return leaf, matched
 
+    def hold(self, leaf: Node) -> Node:
+        """One more holder of the (held) path to `leaf`: a sample that forks from a sibling's
+        prompt. -> leaf."""
+        self._acquire(leaf)
+        return leaf
+
     def extend(self, leaf: Node, tokens: list[int]) -> Node:
         """Append tokens to a held path; returns its (possibly new) leaf. Raises OutOfChunks."""
         if leaf is self.root or leaf.children or leaf.ref > 1 or leaf.pins:
