@@ -108,3 +108,12 @@ def check_engine(ref: Reference, backend: str, prefix_caching: bool, **engine_kw
                     assert abs(lp.logprob - first[token].item()) <= LOGPROB_TOL, (token, lp)
                 if round == 1 and prefix_caching:  # the prefix (at least) came from the cache
                     assert out.num_cached_tokens >= PREFIX_LEN
+
+
+def check_deterministic(ref: Reference) -> None:
+    """Deterministic mode (fp32, CPU): under every setting of `prefixserve bench determinism`'s
+    matrix, each request's tokens and logprobs are bit for bit those it has alone."""
+    from prefixserve.bench import determinism as D
+    base = {"deterministic": True, "device": "cpu", "dtype": "float32", "model": str(ref.folder)}
+    doc = D.check_matrix(base, prefix_len=150, max_tokens=10)
+    assert [r["name"] for r in doc["settings"] if not r["identical"]] == []

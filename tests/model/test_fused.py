@@ -15,6 +15,7 @@ derived at each tolerance below (u: the unit roundoff 2^-p of the dtype).
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -120,6 +121,19 @@ def test_rms_norm_matches_reference(dtype, hidden, exact_sums, add):
         assert_within(out, ref, rms_bound(ref, hidden, dtype))
 
 
+@pytest.mark.parametrize("exact_sums", [True, False], ids=["exact-sums", "random"])
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_rms_norm_matches_reference(dtype, hidden, exact_sums):
+    """Gemma's (1 + w) norm, rounded once: the same bounds as `rms_bound` (one rounding fewer)."""
+    x, _, weight = rms_inputs(5, hidden, dtype, exact_sums, seed=hidden + 1)
+    out, ref = kernels.gemma_rms_norm(x, weight, 1e-6), reference.gemma_rms_norm(x, weight, 1e-6)
+    if exact_sums and DEVICE.type == "cpu":
+        assert torch.equal(out, ref)
+    else:
+        assert_within(out, ref, rms_bound(ref, hidden, dtype))
+
+
 # --- rotary ------------------------------------------------------------------------------------
 
 ROTARY_SHAPES = [(9, 3, 64), (4, 1, 80)]  # (Hq, Hkv, D): the embedded model's; half of D not 2^k
@@ -209,6 +223,23 @@ def test_silu_mul_matches_reference(dtype, size):
     out, ref = kernels.silu_mul(gate_up), reference.silu_mul(gate_up)
     same = silu_agrees(gate_up[:, :size])
     assert_exact_where(out, ref, same, silu_bound(ref, dtype))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rowwise_rows_do_not_depend_on_the_batch(dtype, threads):
+    """Deterministic mode's CPU activations: each row as it is alone, for contiguous and strided
+    rows, in runs past one thread's share; torch's own ops are not (the check would catch it)."""
+    torch.set_num_threads(threads)
+    wide = (torch.randn(400, 310, generator=torch.Generator().manual_seed(threads)) * 3).to(dtype)
+    gelu = functools.partial(torch.nn.functional.gelu, approximate="tanh")
+    differs = 0
+    for x in (wide[:, :300].contiguous(), wide[:, 5:301]):
+        for fn in (gelu, torch.nn.functional.silu, torch.tanh):
+            alone = torch.cat([fn(x[i:i + 1]) for i in range(len(x))])
+            assert torch.equal(reference.rowwise(fn, x), alone)
+            differs += not torch.equal(fn(x), alone)
+    assert differs, "torch's ops were batch-invariant here: the test shows nothing"
 
 
 # --- dispatch and CUDA graphs ------------------------------------------------------------------

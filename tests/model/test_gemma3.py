@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from family_checks import BACKENDS, PREFIX_LEN, check_engine, reference
+from family_checks import BACKENDS, PREFIX_LEN, check_deterministic, check_engine, reference
 
 WINDOW = 16
 
@@ -55,3 +55,9 @@ def test_gemma3_matches_transformers(gemma3, backend, prefix_caching):
 def test_tensor_parallel_2_matches_transformers(gemma3):
     """Two gloo ranks: heads, the vocabulary and every MLP's intermediate dimension split."""
     check_engine(gemma3, "auto", True, tensor_parallel_size=2)
+
+
+def test_deterministic_mode_is_batch_invariant(gemma3):
+    """Its GELU and logit soft-capping (tanh) run row by row on the CPU; its norm is one
+    program per row on CUDA (torch's own ops are batch-variant on both)."""
+    check_deterministic(gemma3)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from family_checks import BACKENDS, check_engine, reference
+from family_checks import BACKENDS, check_deterministic, check_engine, reference
 
 
 @pytest.fixture(scope="module")
@@ -38,3 +38,8 @@ def test_qwen3_moe_matches_transformers(qwen3_moe, backend, prefix_caching):
 def test_tensor_parallel_2_matches_transformers(qwen3_moe):
     """Two gloo ranks: heads, the vocabulary and every expert's intermediate dimension split."""
     check_engine(qwen3_moe, "auto", True, tensor_parallel_size=2)
+
+
+def test_deterministic_mode_is_batch_invariant(qwen3_moe):
+    """The experts' SiLU row by row on the CPU (fused.reference.rowwise)."""
+    check_deterministic(qwen3_moe)

@@ -2,13 +2,13 @@
 `Gemma3ForConditionalGeneration` checkpoints, whose vision weights are skipped).
 
 Against the Llama decoder: embeddings scaled by sqrt(hidden) (rounded to the dtype, as HF);
-RMSNorm with weight (1 + w), multiplied in fp32 before the cast; four norms per layer
+RMSNorm with weight (1 + w), multiplied in fp32 before the cast (`fused.gemma_rms_norm`); four norms per layer
 (input, post-attention, pre- and post-feed-forward: each sub-block's output is normalized
 before it joins the residual); per-head q/k norms; a GELU-tanh gated MLP; the attention scale
 query_pre_attn_scalar ** -0.5; sliding-window attention on the layers `layer_types` marks,
-with their own (local) rotary base; optional final logit soft-capping. The norms and the
-MLP's activation are plain torch ops, exactly HF's (no fused kernels: their rounding differs
-from Llama's RMSNorm, which `fused` implements).
+with their own (local) rotary base; optional final logit soft-capping. The MLP's
+activation is HF's torch op; the norm is HF's op order (on CUDA one Triton program per row,
+so that a row's bits do not depend on the batch, as torch's reductions' would).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from . import fused
 from .layers import Linear, RotaryEmbedding
 from .llama import Attention, LlamaForCausalLM, VocabEmbedding
 from .parallel import TPGroup
@@ -28,6 +29,10 @@ from .qwen3 import per_head_norm
 
 _VISION = ("vision_tower", "multi_modal_projector")
 _TEXT_PREFIX = re.compile(r"^(model\.language_model\.|language_model\.model\.|language_model\.|model\.)")
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.gelu(x, approximate="tanh")
 
 
 class GemmaRMSNorm(nn.Module):
@@ -38,9 +43,7 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> x / rms(x) * (1 + w), all in fp32, rounded once to x's dtype."""
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        return fused.gemma_rms_norm(x, self.weight, self.eps)
 
 
 class GemmaAttention(Attention):
@@ -65,7 +68,7 @@ class GemmaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        h = nn.functional.gelu(gate, approximate="tanh") * up
+        h = fused.elementwise(_gelu_tanh, gate, self.tp.invariant) * up
         return self.tp.all_reduce(self.down_proj(h))
 
 
@@ -123,7 +126,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         logits = self.lm_product(hidden)
         cap = self.cfg.final_logit_softcapping
         if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
+            logits = fused.elementwise(torch.tanh, logits / cap, self.tp.invariant) * cap
         return self.tp.all_gather_last(logits.float())
 
     def layer_weight_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:

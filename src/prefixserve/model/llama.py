@@ -64,7 +64,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.size, cfg.hidden_size, False, tp.invariant)
 
     def forward(self, x):
-        return self.tp.all_reduce(self.down_proj(fused.silu_mul(self.gate_up_proj(x))))
+        return self.tp.all_reduce(self.down_proj(fused.silu_mul(self.gate_up_proj(x), self.tp.invariant)))
 
 
 class VocabEmbedding(nn.Embedding):

@@ -8,6 +8,8 @@ result to the dtype; those rounding points are the ones the Triton twins reprodu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -21,6 +23,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, H]; weight: [H] -> x * rsqrt(mean(x^2) + eps) * (1 + weight), all in fp32, rounded
+    once to x's dtype (Gemma's norm, op for op HF's Gemma3RMSNorm)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).type_as(x)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -64,7 +74,30 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     k.copy_(rotate(k, cos, sin))
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: [T, 2I] (gate, then up) -> silu(gate) * up: [T, I], each op rounded to the dtype."""
+def silu_mul(gate_up: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    """gate_up: [T, 2I] (gate, then up) -> silu(gate) * up: [T, I], each op rounded to the dtype.
+    invariant: each row's bits independent of the other rows (`rowwise`)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return nn.functional.silu(gate) * up
+    return (rowwise(nn.functional.silu, gate) if invariant else nn.functional.silu(gate)) * up
+
+
+# At most this many elements, torch's CPU elementwise kernels run on one thread (larger runs are
+# split between threads at element counts: at::internal::GRAIN_SIZE is 32768, GELU's own 16384).
+_ONE_THREAD = 16384
+
+
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise `fn` of x: [T, W] (last dim contiguous), every row's bits
+    independent of the other rows (deterministic mode). torch's CPU kernels compute whole SIMD
+    vectors, then the leftover elements with scalar code, and split work between threads at
+    element counts; their vector exp and tanh do not always round as the scalar ones, so an
+    element's bits depend on where its row falls in the run. Here each row is a run of its own,
+    as when it is alone ([1, W]): rows of a view that torch cannot merge into one run (a row
+    stride other than W), in blocks that stay on one thread."""
+    t, w = x.shape
+    if t > 1 and x.stride(0) == w:
+        padded = x.new_empty(t, w + 1)
+        padded[:, :w] = x
+        x = padded[:, :w]
+    rows = max(1, _ONE_THREAD // w)
+    return fn(x) if t <= rows else torch.cat([fn(x[i:i + rows]) for i in range(0, t, rows)])

@@ -64,10 +64,12 @@ def _num_warps(block: int) -> int:
 
 @triton.jit
 def _rms_norm_kernel(out, new_residual, x, residual, weight, stride_x, stride_r, stride_o,
-                     stride_n, eps, H: tl.constexpr, BLOCK_H: tl.constexpr, ADD: tl.constexpr):
+                     stride_n, eps, H: tl.constexpr, BLOCK_H: tl.constexpr, ADD: tl.constexpr,
+                     GEMMA: tl.constexpr):
     # One program per row t. v = x[t], or with ADD v = x[t] + residual[t] rounded (and stored);
     # out[t] = weight * round(v * 1 / sqrt(sum(v^2) / H + eps)), the division and the square
-    # root correctly rounded as torch's CPU mean and rsqrt are.
+    # root correctly rounded as torch's CPU mean and rsqrt are; GEMMA: out[t] =
+    # round(v * 1 / sqrt(...) * (1 + weight)), all in fp32.
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     mask = h < H
@@ -80,13 +82,18 @@ def _rms_norm_kernel(out, new_residual, x, residual, weight, stride_x, stride_r,
     mean_sq = tl.math.div_rn(tl.sum(v * v, axis=0), H)
     inv_rms = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_sq + eps))
     w = tl.load(weight + h, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + t * stride_o + h, _round(w * _rounded(v * inv_rms, dtype), dtype), mask=mask)
+    if GEMMA:
+        y = _round((v * inv_rms) * (1.0 + w), dtype)
+    else:
+        y = _round(w * _rounded(v * inv_rms, dtype), dtype)
+    tl.store(out + t * stride_o + h, y, mask=mask)
 
 
-def _launch_rms_norm(x, residual, weight, eps, out, new_residual) -> None:
-    """x, residual, out, new_residual: [T, H]; weight: [H]. residual None: no add."""
+def _launch_rms_norm(x, residual, weight, eps, out, new_residual, gemma: bool = False) -> None:
+    """x, residual, out, new_residual: [T, H]; weight: [H]. residual None: no add. gemma: the
+    (1 + weight) norm, whose weight may be of any float dtype."""
     num_tokens, hidden = x.shape
-    assert x.dtype in _DTYPES and weight.dtype == x.dtype and weight.shape == (hidden,)
+    assert x.dtype in _DTYPES and (gemma or weight.dtype == x.dtype) and weight.shape == (hidden,)
     assert x.stride(-1) == 1 and weight.is_contiguous() and x.device == weight.device
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype
@@ -98,7 +105,7 @@ def _launch_rms_norm(x, residual, weight, eps, out, new_residual) -> None:
     block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(num_tokens,)](
         out, new_residual, x, residual, weight, x.stride(0), residual.stride(0), out.stride(0),
-        new_residual.stride(0), eps, H=hidden, BLOCK_H=block, ADD=add,
+        new_residual.stride(0), eps, H=hidden, BLOCK_H=block, ADD=add, GEMMA=gemma,
         num_warps=_num_warps(block), enable_fp_fusion=False)
 
 
@@ -106,6 +113,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Twin of `reference.rms_norm`: x [T, H] (last dim contiguous), weight [H] -> [T, H]."""
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch_rms_norm(x, None, weight, eps, out, None)
+    return out
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Twin of `reference.gemma_rms_norm`: x [T, H] (last dim contiguous), weight [H] -> [T, H]."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch_rms_norm(x, None, weight, eps, out, None, gemma=True)
     return out
 
 
@@ -191,8 +205,9 @@ def _silu_mul_kernel(out, gate_up, stride_g, stride_o, INTER: tl.constexpr, BLOC
     tl.store(out + t * stride_o + i, _round(silu * up, dtype), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """Twin of `reference.silu_mul`: gate_up [T, 2I] (last dim contiguous) -> [T, I]."""
+def silu_mul(gate_up: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    """Twin of `reference.silu_mul`: gate_up [T, 2I] (last dim contiguous) -> [T, I]. Every
+    row is computed alike whatever the batch (invariant either way)."""
     num_tokens, width = gate_up.shape
     assert width % 2 == 0 and gate_up.dtype in _DTYPES and gate_up.stride(-1) == 1
     size = width // 2
