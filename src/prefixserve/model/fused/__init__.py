@@ -62,4 +62,4 @@ def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                 invariant: bool) -> torch.Tensor:
     """fn(x); on the CPU with `invariant`, row by row (`reference.rowwise`). CUDA runs every
     element with the same code."""
-    return reference.rowwise(fn, x) if invariant and not x.is_cuda else fn(x)
+    return reference.activation(fn, x, invariant and not x.is_cuda)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from . import linear_reference
-from .reference import rowwise
+from .reference import activation
 
 
 def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -29,6 +29,6 @@ def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         pairs = order[start:start + n]
         start += n
         gate, up = linear(x[pairs // k], w13[e]).chunk(2, dim=-1)
-        h = (rowwise(nn.functional.silu, gate) if invariant else nn.functional.silu(gate)) * up
+        h = activation(nn.functional.silu, gate, invariant) * up
         y[pairs] = linear(h, w2[e]) * topk_weights.reshape(-1)[pairs, None]
     return y

@@ -78,12 +78,18 @@ def silu_mul(gate_up: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """gate_up: [T, 2I] (gate, then up) -> silu(gate) * up: [T, I], each op rounded to the dtype.
     invariant: each row's bits independent of the other rows (`rowwise`)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return (rowwise(nn.functional.silu, gate) if invariant else nn.functional.silu(gate)) * up
+    return activation(nn.functional.silu, gate, invariant) * up
 
 
 # At most this many elements, torch's CPU elementwise kernels run on one thread (larger runs are
 # split between threads at element counts: at::internal::GRAIN_SIZE is 32768, GELU's own 16384).
 _ONE_THREAD = 16384
+
+
+def activation(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+               invariant: bool) -> torch.Tensor:
+    """fn(x) for an elementwise `fn` of x: [T, W]; invariant: row by row (`rowwise`)."""
+    return rowwise(fn, x) if invariant else fn(x)
 
 
 def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
