@@ -111,6 +111,12 @@ class AttentionShape:
     device: torch.device
     sliding_window: int | None = None  # the window of the model's sliding layers, if any
     cell: int | None = None  # deterministic mode: keys in cells of this many positions (cells.py)
+    kv_dtype: torch.dtype | None = None  # the KV cache's, if not `dtype` (float8_e4m3fn: fp8)
+
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes per cached K or V element."""
+        return (self.kv_dtype or self.dtype).itemsize
 
 
 class AttentionBackend(ABC):
@@ -139,11 +145,13 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None = None) -> torch.Tensor:
+            k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None = None,
+            kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Write the new keys/values, then attend (with `window`: a sliding layer's, which must
         be `shape.sliding_window`).
 
         q: [R, Hq, D]; k, v: [R, Hkv, D] (this step's new tokens, rotary already applied; R =
-        the batch's num_rows); k_cache, v_cache: [num_chunks, C, Hkv, D] (one layer).
-        Returns o: [R, Hq, D] in q's dtype (padding rows: 0).
+        the batch's num_rows); k_cache, v_cache: [num_chunks, C, Hkv, D] (one layer), in
+        `shape.kv_dtype`; kv_scale: [4, Hkv] fp32, the layer's scales when that is fp8
+        (`ops.reference`). Returns o: [R, Hq, D] in q's dtype (padding rows: 0).
         """

@@ -1,9 +1,9 @@
 """Cost of a step under each schedule: bytes moved and FLOPs, and a time model to pick one.
 
 Bytes (what the ideal kernel for the schedule moves through DRAM; e = bytes per element of
-the model dtype, Hq*D the query width, Hkv*D the key width):
+the model dtype, e_kv of the cache's (1 for fp8), Hq*D the query width, Hkv*D the key width):
     kv_bytes  each item reads its keys and values once for all its query rows:
-              sum over items of keys * 2 * Hkv * D * e (shared KV once per batch under relay /
+              sum over items of keys * 2 * Hkv * D * e_kv (shared KV once per batch under relay /
               hydragen / chunk, once per sequence under paged)
     io_bytes  each item reads its query rows (q_len * Hq * D * e); then either
               - no merge: the output is written once (T * Hq * D * e), or
@@ -92,7 +92,7 @@ def schedule_cost(sched: Schedule, shape: AttentionShape) -> Cost:
     io = item_rows * hq * d * e + out
     if sched.needs_merge:
         io += 2 * item_rows * hq * (d * _PARTIAL_BYTES + _LSE_BYTES)
-    return Cost(kv_bytes=keys * 2 * hkv * d * e, io_bytes=io,
+    return Cost(kv_bytes=keys * 2 * hkv * d * shape.kv_itemsize, io_bytes=io,
                 flops=sum(4 * d * hq * it.q_len * it.num_keys for it in sched.items),
                 items=len(sched.items), launches=1 + sched.needs_merge)
 

@@ -45,7 +45,8 @@ class NoAttentionBackend(AttentionBackend):
         self.uploader.fence()
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None = None) -> torch.Tensor:
+            k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None = None,
+            kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         assert self.slots is not None, "plan() before run()"
-        store_kv(k_cache, v_cache, k, v, self.slots)
+        store_kv(k_cache, v_cache, k, v, self.slots, kv_scale)
         return torch.zeros_like(q)

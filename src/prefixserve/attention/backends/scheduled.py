@@ -75,11 +75,12 @@ class ScheduledBackend(AttentionBackend):
         return ok
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None = None) -> torch.Tensor:
+            k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None = None,
+            kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         s = self.shape
         assert window == s.sliding_window or window is None, (window, s.sliding_window)
         p, kernels = (self.current, self.kernels) if window is None else (
             self.window_plan, self.window_kernels)
         assert p is not None, "plan() before run()"
         assert q.shape == (p.slots.numel(), s.num_heads, s.head_dim), q.shape
-        return kernels.run(q, k, v, k_cache, v_cache, p, s.scale, window)
+        return kernels.run(q, k, v, k_cache, v_cache, p, s.scale, window, kv_scale)

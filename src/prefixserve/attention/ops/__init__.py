@@ -7,9 +7,10 @@ same function from the same plan; an executor has
 
     plan_extra(batch, arrays) -> extra plan arrays/ints (kept in `DevicePlan.extra`)
     generation                -> bumped when what a captured CUDA graph holds changes
-    run(q, k, v, k_cache, v_cache, plan, scale, window=None) -> o [T, Hq, D] in q's dtype,
-                                 after writing the new k, v [T, Hkv, D] at plan.slots; window:
-                                 a sliding layer's (see `reference`)
+    run(q, k, v, k_cache, v_cache, plan, scale, window=None, kv_scale=None)
+                              -> o [T, Hq, D] in q's dtype, after writing the new k, v
+                                 [T, Hkv, D] at plan.slots; window: a sliding layer's;
+                                 kv_scale: an fp8 cache's [4, Hkv] (see `reference`)
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class Executor(Protocol):
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, plan: DevicePlan, scale: float,
-            window: int | None = None) -> torch.Tensor: ...
+            window: int | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class ReferenceKernels:
@@ -50,13 +51,13 @@ class ReferenceKernels:
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, plan: DevicePlan, scale: float,
-            window: int | None = None) -> torch.Tensor:
+            window: int | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         p, cell = plan, self.shape.cell
-        reference.store_kv(k_cache, v_cache, k, v, p.slots)
+        reference.store_kv(k_cache, v_cache, k, v, p.slots, kv_scale)
         args = (q, k_cache, v_cache, p.q_pos, p.item_q_start, p.item_q_len, p.item_out_start,
                 p.item_kv_indptr, p.kv_chunk, p.kv_lo, p.kv_hi, p.kv_pos, scale, p.num_out_rows)
-        o, lse = reference.attend_items(*args, window) if cell is None else \
-            reference.attend_cells(*args, cell, window)
+        o, lse = reference.attend_items(*args, window, kv_scale) if cell is None else \
+            reference.attend_cells(*args, cell, window, kv_scale)
         if p.needs_merge:
             assert p.row_indptr is not None and p.row_parts is not None  # what needs_merge means
             merge = reference.merge_partials if cell is None else reference.merge_in_order

@@ -23,6 +23,13 @@ Causality is by position alone: query row r sees key position p iff p <= q_pos[r
 a sliding `window` W (a sliding layer's) also p > q_pos[r] - W: the window is a per-row lower
 bound on the key position, W keys including the row's own. The partials of one query row are
 then merged by `merge_partials` (CSR: row -> partial rows).
+
+fp8 caches (`--kv-cache-dtype fp8`): k_cache, v_cache hold float8_e4m3fn and every op that
+touches them takes `kv_scale` [4, Hkv] fp32 (rows `K_SCALE`, `V_SCALE` dequantize, `K_INV`,
+`V_INV` quantize; all powers of two, fixed per layer and KV head: `kvcache.scales`). A stored
+value is q8 = e4m3(clamp(x * inv, +-448)) and reads back as q8 * scale. Since the scales are
+powers of two, every product with them is exact: attention over the fp8 cache is attention
+over the dequantized values, whether the scale multiplies the keys, the scores or the output.
 """
 
 from __future__ import annotations
@@ -31,17 +38,35 @@ import torch
 
 NEG_INF = float("-inf")
 _ROW_BLOCK = 256  # query rows per product in attend_items: scores are [Hkv, 256 * G, L] fp32
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+K_SCALE, V_SCALE, K_INV, V_INV = range(4)  # rows of a layer's kv_scale [4, Hkv]
+
+
+def quantize(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """x [T, Hkv, D] (any float) -> e4m3 of x * inv (inv [Hkv] fp32), saturated at +-448."""
+    return (x.float() * inv[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cache values x [L, Hkv, D] as the attention reads them: x * scale [Hkv] in fp32 for an
+    fp8 cache (exact), else x itself."""
+    return x if scale is None else x.float() * scale[:, None]
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slots: torch.Tensor) -> None:
+             slots: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
     """Write new keys/values into their cache slots, in place.
 
     k_cache, v_cache: [N, C, Hkv, D] (contiguous); k, v: [T, Hkv, D];
-    slots: [T] int64, flat slot chunk * C + offset.
+    slots: [T] int64, flat slot chunk * C + offset; kv_scale: an fp8 cache's (module docstring).
     """
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert k.shape == v.shape and k.shape[1:] == k_cache.shape[2:] and slots.shape == k.shape[:1]
+    assert (kv_scale is not None) == (k_cache.dtype == FP8), "an fp8 cache, and only it, has scales"
+    if kv_scale is not None:  # index_copy_ has no fp8 kernel: copy the bytes
+        k, v = (quantize(x, kv_scale[i]).view(torch.uint8) for x, i in ((k, K_INV), (v, V_INV)))
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
@@ -96,16 +121,19 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  item_out_start: torch.Tensor, item_kv_indptr: torch.Tensor,
                  kv_chunk: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
                  kv_pos: torch.Tensor, scale: float, num_out_rows: int,
-                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 window: int | None = None,
+                 kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """All work items of a schedule (one kernel launch on GPU); see the module docstring.
 
     q: [T, Hq, D]; k_cache, v_cache: [N, C, Hkv, D]; q_pos: [T] int32;
     item_q_start, item_q_len, item_out_start: [I] int32; item_kv_indptr: [I+1] int32;
-    kv_chunk, kv_lo, kv_hi, kv_pos: [E] int32 (0 <= kv_lo < kv_hi <= C).
+    kv_chunk, kv_lo, kv_hi, kv_pos: [E] int32 (0 <= kv_lo < kv_hi <= C); kv_scale: an fp8
+    cache's [4, Hkv] (module docstring).
     Returns o: [num_out_rows, Hq, D] fp32, lse: [num_out_rows, Hq] fp32; partial rows no item
     writes stay (0, -inf).
     """
     hkv, d = k_cache.shape[2:]
+    k_deq, v_deq = (None, None) if kv_scale is None else (kv_scale[K_SCALE], kv_scale[V_SCALE])
     flat_k, flat_v = k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, d)
     slots, k_pos, key_indptr = _expand_entries(k_cache.shape[1], kv_chunk, kv_lo, kv_hi, kv_pos)
     key_bounds = key_indptr[item_kv_indptr.long()].tolist()  # [I+1]: item -> key range
@@ -114,7 +142,8 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     items = zip(item_q_start.tolist(), item_q_len.tolist(), item_out_start.tolist(), strict=True)
     for i, (qs, n, out) in enumerate(items):
         keys = slots[key_bounds[i]:key_bounds[i + 1]]
-        k, v, pos = flat_k[keys], flat_v[keys], k_pos[key_bounds[i]:key_bounds[i + 1]]
+        k, v = dequantize(flat_k[keys], k_deq), dequantize(flat_v[keys], v_deq)
+        pos = k_pos[key_bounds[i]:key_bounds[i + 1]]
         for r in range(0, n, _ROW_BLOCK):  # rows are independent; blocks bound the scores' size
             m = min(_ROW_BLOCK, n - r)
             o[out + r:out + r + m], lse[out + r:out + r + m] = partial_attention(
@@ -157,7 +186,8 @@ def attend_cells(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  item_out_start: torch.Tensor, item_kv_indptr: torch.Tensor,
                  kv_chunk: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
                  kv_pos: torch.Tensor, scale: float, num_out_rows: int, cell: int,
-                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 window: int | None = None,
+                 kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`attend_items` of a cell schedule, with every (row, cell) partial computed on the same
     shapes whatever the item: a BLAS's sum order follows the shape (rows, keys), so a row's bits
     would depend on how many rows and keys it was batched with. Each item's keys go to their
@@ -177,10 +207,11 @@ def attend_cells(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         pos = k_pos[bounds[i]:bounds[i + 1]]
         base = int(pos[0]) // cell * cell
         assert int(pos[-1]) < base + cell, "an item of a cell schedule reads one cell"
-        k = q.new_zeros((cell, hkv, d))
+        k = q.new_zeros((cell, hkv, d), dtype=q.dtype if kv_scale is None else torch.float32)
         v = torch.zeros_like(k)
         keys = slots[bounds[i]:bounds[i + 1]]
-        k[pos - base], v[pos - base] = flat_k[keys], flat_v[keys]
+        k[pos - base] = dequantize(flat_k[keys], None if kv_scale is None else kv_scale[K_SCALE])
+        v[pos - base] = dequantize(flat_v[keys], None if kv_scale is None else kv_scale[V_SCALE])
         block_pos = torch.full((cell,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=q.device)
         block_pos[pos - base] = pos
         for r in range(0, n, rows):

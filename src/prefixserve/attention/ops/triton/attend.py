@@ -24,6 +24,11 @@ last of the unit's last entry, so the tile walk ends one slot earlier there (one
 earlier, if the entry held nothing else), the key joins the softmax from registers after the
 walk, and the unit writes it into slots[t]. No program reads that slot in the step
 (`worklist.mark_stores`), so the write needs no ordering.
+
+FP8_CACHE (an fp8 cache, `reference`'s kv_scale [4, Hkv]): K/V tiles load as e4m3 (half the
+bytes) and widen to q's dtype in registers, exactly; the head's K scale joins the score scale
+and its V scale multiplies the output (powers of two: exact). A stored new key is quantized
+as the store launch quantizes it (`store.quantize_fp8`) before it joins the softmax.
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference import FP8
 from .merge import merge_rows
+from .store import K_INV_ROW, K_SCALE_ROW, V_INV_ROW, V_SCALE_ROW, quantize_fp8
 from .worklist import KernelConfig, build_worklist, choose_configs, next_pow2
 
 _LOG2E = 1.4426950408889634
@@ -82,33 +89,33 @@ def _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc, scale_log2, windo
 
 @triton.jit
 def _attend_kernel(q, k_cache, v_cache, q_pos, units, unit_count, kv_chunk, kv_lo, kv_hi, kv_pos,
-                   o, lse, k_new, v_new, slots, stride_qt, stride_qh, stride_ot, stride_oh,
+                   o, lse, k_new, v_new, slots, kv_scale, stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_lt, stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, chunk_size,
                    window, HKV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    C_PAD: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
                    WRITE_LSE: tl.constexpr, STORE: tl.constexpr, PRECISION: tl.constexpr,
-                   DOT_FP32: tl.constexpr):
+                   DOT_FP32: tl.constexpr, FP8_CACHE: tl.constexpr):
     # Persistent: program p takes work items p, p + P, p + 2P, ... of the unit_count[0] * HKV
     # (unit, KV head) pairs; units are longest first, so each stride of P items is balanced.
     num_work = tl.load(unit_count) * HKV
     for w in range(tl.program_id(0), num_work, tl.num_programs(0)):
         _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_pos, o, lse,
-                     k_new, v_new, slots, w // HKV, w % HKV, stride_qt, stride_qh, stride_ot,
-                     stride_oh, stride_lt, stride_kt, stride_kh, stride_vt, stride_vh,
+                     k_new, v_new, slots, kv_scale, w // HKV, w % HKV, stride_qt, stride_qh,
+                     stride_ot, stride_oh, stride_lt, stride_kt, stride_kh, stride_vt, stride_vh,
                      scale_log2, chunk_size, window, HKV, G, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                     C_PAD, CAUSAL, SLIDING, WRITE_LSE, STORE, PRECISION, DOT_FP32)
+                     C_PAD, CAUSAL, SLIDING, WRITE_LSE, STORE, PRECISION, DOT_FP32, FP8_CACHE)
 
 
 @triton.jit
 def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_pos, o, lse,
-                 k_new, v_new, slots, u, h, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
-                 stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, chunk_size, window,
-                 HKV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 k_new, v_new, slots, kv_scale, u, h, stride_qt, stride_qh, stride_ot, stride_oh,
+                 stride_lt, stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, chunk_size,
+                 window, HKV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  C_PAD: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
                  WRITE_LSE: tl.constexpr, STORE: tl.constexpr, PRECISION: tl.constexpr,
-                 DOT_FP32: tl.constexpr):
+                 DOT_FP32: tl.constexpr, FP8_CACHE: tl.constexpr):
     """Unit u x KV head h: the tile walk described in the module docstring."""
     q_start = tl.load(units + u * 6)
     q_len = tl.load(units + u * 6 + 1)
@@ -118,6 +125,8 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
     row_stride = HKV * HEAD_DIM  # elements per cache slot; caches are contiguous
     head_off = h * HEAD_DIM
     d = tl.arange(0, BLOCK_D)
+    if FP8_CACHE:  # scores and output in the dequantized units (exact: powers of two)
+        scale_log2 = scale_log2 * tl.load(kv_scale + K_SCALE_ROW * HKV + h)
     if STORE:  # t: the row whose new key this unit holds (-1: none, and e_new -1 no entry)
         t = tl.load(units + u * 6 + 5).to(tl.int64)
         e_new = tl.where(t >= 0, e1 - 1, -1)  # the entry whose last slot is the new key
@@ -156,6 +165,8 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
             kv_mask = _rows_mask(key_ok, col_ok, BLOCK_D == HEAD_DIM)
             kt = tl.load(k_cache + base + tile_off, mask=kv_mask, other=0.0)
             vt = tl.load(v_cache + base + tile_off, mask=kv_mask, other=0.0)
+            if FP8_CACHE:
+                kt, vt = kt.to(q.dtype.element_ty), vt.to(q.dtype.element_ty)
             m_i, l_i, acc = _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc,
                                          scale_log2, window, CAUSAL, SLIDING, PRECISION,
                                          DOT_FP32)
@@ -175,6 +186,8 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
             kv_mask = _rows_mask(key_ok, col_ok, BLOCK_D == HEAD_DIM)
             kt = tl.load(k_cache + kv_off, mask=kv_mask, other=0.0)
             vt = tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)
+            if FP8_CACHE:
+                kt, vt = kt.to(q.dtype.element_ty), vt.to(q.dtype.element_ty)
             m_i, l_i, acc = _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc,
                                          scale_log2, window, CAUSAL, SLIDING, PRECISION,
                                          DOT_FP32)
@@ -185,7 +198,11 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
             # the cache's dtype first, as the store launch writes it and later steps read it
             kn = tl.load(k_new + t * stride_kt + h * stride_kh + d, mask=d < HEAD_DIM)
             vn = tl.load(v_new + t * stride_vt + h * stride_vh + d, mask=d < HEAD_DIM)
-            kn, vn = kn.to(k_cache.dtype.element_ty), vn.to(v_cache.dtype.element_ty)
+            if FP8_CACHE:
+                kn = quantize_fp8(kn, tl.load(kv_scale + K_INV_ROW * HKV + h))
+                vn = quantize_fp8(vn, tl.load(kv_scale + V_INV_ROW * HKV + h))
+            else:
+                kn, vn = kn.to(k_cache.dtype.element_ty), vn.to(v_cache.dtype.element_ty)
             s_new = tl.sum(qt.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * scale_log2
             m_new = tl.maximum(m_i, s_new)
             alpha = tl.exp2(m_i - m_new)
@@ -199,6 +216,8 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
 
     seen = l_i > 0.0
     o_tile = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if FP8_CACHE:
+        o_tile = o_tile * tl.load(kv_scale + V_SCALE_ROW * HKV + h)
     o_ptr = o + (out + row)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh
     tl.store(o_ptr + d[None, :], o_tile.to(o.dtype.element_ty),
              mask=_rows_mask(row_ok, col_ok, BLOCK_D == HEAD_DIM))
@@ -215,20 +234,25 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  units: torch.Tensor, count: torch.Tensor, kv_chunk: torch.Tensor, kv_lo: torch.Tensor,
                  kv_hi: torch.Tensor, kv_pos: torch.Tensor, scale: float, o: torch.Tensor,
                  lse: torch.Tensor | None, cfg: KernelConfig, causal: bool, programs: int,
-                 new_kv: NewKV | None = None, window: int | None = None) -> None:
+                 new_kv: NewKV | None = None, window: int | None = None,
+                 kv_scale: torch.Tensor | None = None) -> None:
     """Run the first count[0] units of `units` ([>= count, 6] int32, see worklist; count: [1]
     int32 on the device, so a CUDA graph replays any number) on a persistent grid of
     `programs` programs, into o [*, Hq, D] (any float dtype) and, unless lse is None, lse
     [*, Hq] fp32 at the units' out rows. causal=False promises that every row sees every key
     of its units (decode), which drops the position mask. new_kv: (k [T, Hkv, D], v, slots
     [T] int64) for units that store their row's new key (worklist `stores`). window: a sliding
-    layer's (then every launch masks by position, both bounds); None: none."""
+    layer's (then every launch masks by position, both bounds); None: none. kv_scale: [4, Hkv]
+    fp32, given iff the cache is fp8."""
     t, hq, d = q.shape
     n_chunks, chunk_size, hkv, d_cache = k_cache.shape
     assert d_cache == d and hq % hkv == 0 and v_cache.shape == k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and units.is_contiguous()
     assert q.stride(-1) == 1 and o.stride(-1) == 1 and o.shape[1:] == q.shape[1:]
-    assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype)
+    assert k_cache.dtype == v_cache.dtype in (q.dtype, FP8), (q.dtype, k_cache.dtype)
+    fp8 = k_cache.dtype == FP8
+    assert fp8 == (kv_scale is not None), "an fp8 cache, and only it, has scales"
+    assert kv_scale is None or (kv_scale.shape == (4, hkv) and kv_scale.dtype == torch.float32)
     assert units.dtype == torch.int32 and units.dim() == 2 and units.shape[1] == 6
     for idx in (q_pos, count, kv_chunk, kv_lo, kv_hi, kv_pos):
         assert idx.dtype == torch.int32 and idx.device == q.device
@@ -244,13 +268,13 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         assert k.stride(-1) == 1 and v.stride(-1) == 1 and slots.dtype == torch.int64
     args = (q, k_cache, v_cache, q_pos, units, count, kv_chunk, kv_lo, kv_hi, kv_pos, o,
             o if lse is None else lse, k, v, q_pos if slots is None else slots,
-            q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+            q_pos if kv_scale is None else kv_scale, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
             0 if lse is None else lse.stride(0), k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), scale * _LOG2E, chunk_size, window or 0)
     meta: dict[str, int | bool | str] = dict(
         HKV=hkv, G=g, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, C_PAD=next_pow2(chunk_size), CAUSAL=causal, SLIDING=window is not None,
-        WRITE_LSE=lse is not None, STORE=new_kv is not None,
+        WRITE_LSE=lse is not None, STORE=new_kv is not None, FP8_CACHE=fp8,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # the interpreter (CPU tensors) multiplies raw bf16 bits in tl.dot (triton 3.9): upcast
         # there, exactly (the products are then of the same bf16 values, in fp32)
@@ -312,16 +336,17 @@ def launch_worklist(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     launches: tuple[Launch, Launch], kv_chunk: torch.Tensor, kv_lo: torch.Tensor,
                     kv_hi: torch.Tensor, kv_pos: torch.Tensor, scale: float, o: torch.Tensor,
                     lse: torch.Tensor | None, side: torch.cuda.Stream | None = None,
-                    new_kv: NewKV | None = None, window: int | None = None) -> None:
+                    new_kv: NewKV | None = None, window: int | None = None,
+                    kv_scale: torch.Tensor | None = None) -> None:
     """Both unit classes' launches (narrow, wide). With a side stream (CUDA) the wide launch
     runs on it, concurrently with the narrow one; the current stream waits for it before
     returning (graph capture records the fork and join). new_kv: as launch_units', for the
-    launches that store; window: a sliding layer's."""
+    launches that store; window: a sliding layer's; kv_scale: an fp8 cache's."""
     idx = (kv_chunk, kv_lo, kv_hi, kv_pos)
 
     def go(x: Launch) -> None:
         launch_units(q, k_cache, v_cache, q_pos, x.units, x.count, *idx, scale, o, lse, x.cfg,
-                     x.causal, x.programs, new_kv if x.stores else None, window)
+                     x.causal, x.programs, new_kv if x.stores else None, window, kv_scale)
 
     narrow, wide = launches
     fork = side if narrow.programs and wide.programs else None  # a side stream, if both run
@@ -347,7 +372,7 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  item_out_start: torch.Tensor, item_kv_indptr: torch.Tensor,
                  kv_chunk: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
                  kv_pos: torch.Tensor, scale: float, num_out_rows: int,
-                 window: int | None = None, *,
+                 window: int | None = None, kv_scale: torch.Tensor | None = None, *,
                  configs: tuple[KernelConfig, KernelConfig] | None = None,
                  sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Twin of `ops.reference.attend_items` (same arguments and result; partial rows no item
@@ -361,7 +386,7 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     configs = configs or choose_configs(int(host[1].max(initial=0)) * g, d, q.element_size())
     wl = build_worklist(host[0], host[1], host[2], host[3], num_out_rows, None, None, configs,
                         group=g, num_kv_heads=hkv, chunk_size=k_cache.shape[1],
-                        itemsize=q.element_size(), num_sms=sms, positions=host[4:])
+                        itemsize=k_cache.element_size(), num_sms=sms, positions=host[4:])
 
     def dev(a: npt.ArrayLike) -> torch.Tensor:
         return torch.from_numpy(np.asarray(a, np.int32)).to(q.device)
@@ -374,11 +399,13 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     lse = torch.full((num_out_rows, hq), float("-inf"), dtype=torch.float32, device=q.device)
     idx = (kv_chunk, kv_lo, kv_hi, kv_pos)
     if wl.direct:
-        launch_worklist(q, k_cache, v_cache, q_pos, launches, *idx, scale, o, lse, window=window)
+        launch_worklist(q, k_cache, v_cache, q_pos, launches, *idx, scale, o, lse, window=window,
+                        kv_scale=kv_scale)
         return o, lse
     o_s = torch.empty((wl.num_partials, hq, d), dtype=torch.float32, device=q.device)
     lse_s = torch.empty((wl.num_partials, hq), dtype=torch.float32, device=q.device)
-    launch_worklist(q, k_cache, v_cache, q_pos, launches, *idx, scale, o_s, lse_s, window=window)
+    launch_worklist(q, k_cache, v_cache, q_pos, launches, *idx, scale, o_s, lse_s, window=window,
+                    kv_scale=kv_scale)
     assert wl.merge_indptr is not None and wl.merge_parts is not None, "not direct: a merge"
     merge_rows(o_s, lse_s, dev(wl.merge_indptr), dev(wl.merge_parts), o, lse)
     return o, lse

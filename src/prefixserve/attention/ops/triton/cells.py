@@ -30,20 +30,22 @@ import triton.language as tl
 
 from ...base import AttentionBatch, AttentionShape
 from ...plan import DevicePlan, HostArrays, HostExtras, required
+from ..reference import FP8
 from .attend import _LOG2E, _rows_mask, _tile_update, grid_size, num_sms
 from .cell_worklist import build_cell_work, newest_tiles
 from .kernels import _addressable, _int, _tensor
 from .merge import merge_rows
-from .store import store_kv
+from .store import K_SCALE_ROW, V_SCALE_ROW, store_kv
 from .worklist import NARROW_ROWS, KernelConfig, choose_configs, next_pow2
 
 
 @triton.jit
 def _cell_kernel(q, k_cache, v_cache, q_pos, units, unit_count, segs, tile_slots, tile_pos, o, lse, l_state,
-                 stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, scale_log2, window,
+                 kv_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, scale_log2, window,
                  HKV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                 SLIDING: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+                 SLIDING: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+                 FP8_CACHE: tl.constexpr):
     # Persistent: program p takes (unit, KV head) pairs p, p + P, ... of unit_count[0] * HKV.
     num_work = tl.load(unit_count) * HKV
     for w in range(tl.program_id(0), num_work, tl.num_programs(0)):
@@ -65,6 +67,10 @@ def _cell_kernel(q, k_cache, v_cache, q_pos, units, unit_count, segs, tile_slots
             qt = qt.to(tl.float32)
         qp = tl.load(q_pos + q_start + row, mask=row_ok, other=-1)
         n = tl.arange(0, BLOCK_N)
+        scale_h, v_deq = scale_log2, 1.0  # an fp8 cache: the head's scales (attend.py)
+        if FP8_CACHE:
+            scale_h = scale_log2 * tl.load(kv_scale + K_SCALE_ROW * HKV + h)
+            v_deq = tl.load(kv_scale + V_SCALE_ROW * HKV + h)
         for sg in range(s0, s1):  # the unit's cells, in order: one partial per row each
             t0 = tl.load(segs + sg * 4)
             t1 = tl.load(segs + sg * 4 + 1)
@@ -84,8 +90,10 @@ def _cell_kernel(q, k_cache, v_cache, q_pos, units, unit_count, segs, tile_slots
                 kv_mask = _rows_mask(key_ok, col_ok, BLOCK_D == HEAD_DIM)
                 kt = tl.load(k_cache + off, mask=kv_mask, other=0.0)
                 vt = tl.load(v_cache + off, mask=kv_mask, other=0.0)
+                if FP8_CACHE:
+                    kt, vt = kt.to(q.dtype.element_ty), vt.to(q.dtype.element_ty)
                 k_pos = tl.load(tile_pos + t) + n
-                m_i, l_i, acc = _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc, scale_log2,
+                m_i, l_i, acc = _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc, scale_h,
                                              window, CAUSAL, SLIDING, PRECISION, DOT_FP32)
             if (flags & 2) != 0:  # STORE: the raw state, for the rows' own continuations
                 tl.store(o_ptr, acc, mask=rows_mask)
@@ -93,7 +101,7 @@ def _cell_kernel(q, k_cache, v_cache, q_pos, units, unit_count, segs, tile_slots
                 tl.store(l_state + st_ptr, l_i, mask=row_ok)
             else:
                 seen = l_i > 0.0
-                tl.store(o_ptr, acc / tl.where(seen, l_i, 1.0)[:, None], mask=rows_mask)
+                tl.store(o_ptr, acc / tl.where(seen, l_i, 1.0)[:, None] * v_deq, mask=rows_mask)
                 ln_l = (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453  # x ln 2
                 tl.store(lse + st_ptr, tl.where(seen, ln_l, float("-inf")), mask=row_ok)
 
@@ -101,10 +109,12 @@ def _cell_kernel(q, k_cache, v_cache, q_pos, units, unit_count, segs, tile_slots
 def launch_cells(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor,
                  units: torch.Tensor, count: torch.Tensor, segs: torch.Tensor, tile_slots: torch.Tensor,
                  tile_pos: torch.Tensor, scale: float, o: torch.Tensor, lse: torch.Tensor, l_state: torch.Tensor,
-                 cfg: KernelConfig, causal: bool, programs: int, window: int | None = None) -> None:
+                 cfg: KernelConfig, causal: bool, programs: int, window: int | None = None,
+                 kv_scale: torch.Tensor | None = None) -> None:
     """The first count[0] units of `units` ([>= U, 4] int32, segments in `segs`) on `programs`
     persistent programs, writing fp32 partials o [P, Hq, D], lse [P, Hq] at the segments' out
-    rows (a STORE segment: the raw acc, m and l, in o, lse and l_state)."""
+    rows (a STORE segment: the raw acc, m and l, in o, lse and l_state; an fp8 cache's V
+    scale multiplies only finished partials). kv_scale: [4, Hkv], iff the cache is fp8."""
     t, hq, d = q.shape
     _, chunk_size, hkv, d_cache = k_cache.shape
     assert d_cache == d and hq % hkv == 0 and v_cache.shape == k_cache.shape
@@ -116,16 +126,18 @@ def launch_cells(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     for idx in (q_pos, count, units, segs, tile_pos):
         assert idx.dtype == torch.int32 and idx.device == q.device
     g = hq // hkv
+    assert (k_cache.dtype == FP8) == (kv_scale is not None), "an fp8 cache, and only it, has scales"
     if programs == 0:
         return
     assert cfg.block_m >= g, "a KV head's G query heads must fit one tile"
     _cell_kernel[(programs,)](
         q, k_cache, v_cache, q_pos, units, count, segs, tile_slots, tile_pos, o, lse, l_state,
+        q_pos if kv_scale is None else kv_scale,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), lse.stride(0), scale * _LOG2E, window or 0,
         HKV=hkv, G=g, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         CAUSAL=causal, SLIDING=window is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_FP32=q.device.type == "cpu" and q.dtype == torch.bfloat16,  # the interpreter's bf16 dot
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        FP8_CACHE=kv_scale is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def cell_configs(shape: AttentionShape) -> tuple[KernelConfig, KernelConfig]:
@@ -203,16 +215,17 @@ class CellKernels:
         return extras
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-            v_cache: torch.Tensor, plan: DevicePlan, scale: float, window: int | None = None) -> torch.Tensor:
+            v_cache: torch.Tensor, plan: DevicePlan, scale: float, window: int | None = None,
+            kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         x = plan.extra
-        store_kv(k_cache, v_cache, k, v, plan.slots)
+        store_kv(k_cache, v_cache, k, v, plan.slots, kv_scale)
         o_s, lse_s, l_s = self._scratch if plan.padded and self._scratch else self._new(plan.num_out_rows)
         counts = _tensor(x, "unit_counts")
         for i, c in enumerate(_CLASSES):  # in order: prefix units store what the others load
             launch_cells(q, k_cache, v_cache, plan.q_pos, _tensor(x, f"{c}_units"), counts[i:],
                          _tensor(x, "segs"), _tensor(x, "tile_slots"), _tensor(x, "tile_pos"), scale, o_s,
                          lse_s, l_s, self.configs[0 if c == "narrow" else 1], bool(x["causal"]), _int(x, f"{c}_programs"),
-                         window)
+                         window, kv_scale)
         out = torch.empty_like(q)
         merge_rows(o_s, lse_s, _tensor(x, "merge_indptr"), _tensor(x, "merge_parts"), out, None)
         return out

@@ -62,7 +62,7 @@ class TritonKernels:
                             required(arrays, "item_kv_indptr"), required(arrays, "q_pos").size,
                             arrays["row_indptr"], arrays["row_parts"], configs, group=self.group,
                             num_kv_heads=s.num_kv_heads, chunk_size=batch.chunk_size,
-                            itemsize=s.dtype.itemsize, num_sms=self.sms,
+                            itemsize=s.kv_itemsize, num_sms=self.sms,
                             positions=[required(arrays, f) for f in ("q_pos", "kv_pos", "kv_lo", "kv_hi")],
                             kv_chunk=required(arrays, "kv_chunk"),
                             force_merge=padded)
@@ -90,22 +90,24 @@ class TritonKernels:
                 **shapes, **grids}
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-            v_cache: torch.Tensor, plan: DevicePlan, scale: float, window: int | None = None) -> torch.Tensor:
+            v_cache: torch.Tensor, plan: DevicePlan, scale: float, window: int | None = None,
+            kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Write k, v [R, Hkv, D] at plan.slots; o [R, Hq, D] in q's dtype for `plan` (a
-        DevicePlan with this object's extras); window: a sliding layer's."""
+        DevicePlan with this object's extras); window: a sliding layer's; kv_scale: an fp8
+        cache's [4, Hkv]."""
         x, new_kv = plan.extra, (k, v, plan.slots)
         if not _int(x, "stores"):
-            store_kv(k_cache, v_cache, k, v, plan.slots)
+            store_kv(k_cache, v_cache, k, v, plan.slots, kv_scale)
         args = (q, k_cache, v_cache, plan.q_pos, self.launches(x), plan.kv_chunk, plan.kv_lo,
                 plan.kv_hi, plan.kv_pos, scale)
         out = torch.empty_like(q)
         if _int(x, "direct"):
-            launch_worklist(*args, out, None, self.side, new_kv, window)
+            launch_worklist(*args, out, None, self.side, new_kv, window, kv_scale)
             return out
         scratch = self._scratch if plan.padded else self._new_scratch(_int(x, "num_partials"))
         assert scratch is not None, "plan_extra reserves a padded plan's scratch"
         o_s, lse_s = scratch
-        launch_worklist(*args, o_s, lse_s, self.side, new_kv, window)
+        launch_worklist(*args, o_s, lse_s, self.side, new_kv, window, kv_scale)
         merge_rows(o_s, lse_s, _tensor(x, "merge_indptr"), _tensor(x, "merge_parts"), out, None)
         return out
 
