@@ -13,7 +13,7 @@ import importlib
 import logging
 import sys
 
-from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
 
 COMMANDS = ("prefixserve.commands", "prefixserve.server.cli", "prefixserve.bench.cli")
 
@@ -38,6 +38,9 @@ _HELP = {
     "chunk_size": "tokens per KV chunk (vLLM's block size); default 64 on CUDA (one key tile of "
                   "the attention kernels), 16 on CPU",
     "kv_cache_memory": "bytes for the KV cache (default: 1 GiB on CPU, 90%% of free GPU memory)",
+    "kv_cache_dtype": "KV cache element type: auto = the model's dtype; fp8 (= fp8_e4m3) = e4m3 with one "
+                      "power-of-two scale per layer and KV head, fixed at start-up: half the cache memory "
+                      "and bytes read (accuracy: benchmarks/kernels-notes.md)",
     "enable_prefix_caching": "find and reuse shared prefixes (off = every request its own copy)",
     "max_pinned_tokens_per_tenant": "most tokens one tenant may keep pinned (POST /v1/prefixes; public "
                                     "pins count for no tenant; default: no limit)",
@@ -57,7 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     fields = [f for c in (EngineConfig, CacheConfig, SchedulerConfig) for f in dataclasses.fields(c)
               if f.name not in ("cache", "scheduler")]
     choices = {"dtype": ("auto", "float32", "bfloat16", "float16"), "device": ("auto", "cpu", "cuda"),
-               "load_format": ("auto", "gguf", "safetensors", "dummy"), "attention_backend": backend_names()}
+               "load_format": ("auto", "gguf", "safetensors", "dummy"), "attention_backend": backend_names(),
+               "kv_cache_dtype": KV_CACHE_DTYPES}
     for f in fields:
         flag = "--" + f.name.replace("_", "-")
         if f.type in (bool, "bool"):

@@ -13,6 +13,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 is e4m3 (vLLM's names)
 
 
 def _positive(name: str, value: Any) -> None:
@@ -193,8 +194,11 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes; None: a device-dependent default
     enable_prefix_caching: bool = True
     max_pinned_tokens_per_tenant: int | None = None  # None: no quota (public pins never count)
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: e4m3 with fixed scales (kvcache/scales.py)
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.chunk_size is not None:
             _positive("chunk_size", self.chunk_size)
         if self.max_pinned_tokens_per_tenant is not None:

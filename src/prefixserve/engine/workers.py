@@ -35,6 +35,7 @@ import torch.distributed as dist
 from ..attention import create_backend
 from ..attention.base import AttentionBackend, AttentionBatch, AttentionShape, PaddedRows
 from ..config import EngineConfig
+from ..kvcache import scales
 from ..kvcache.chunk_pool import ChunkPool
 from ..model import loader
 from ..model.parallel import TPGroup
@@ -92,7 +93,8 @@ class RankState:
         self.backend.plan(batch)
 
         def run(i: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = self.model(i, p, self.backend, self.pool.k, self.pool.v)  # hidden [T, hidden]
+            out: torch.Tensor = self.model(i, p, self.backend, self.pool.k, self.pool.v,
+                                           self.pool.scales)  # hidden [T, hidden]
             return out
 
         if graphs is None or rows is None:
@@ -123,7 +125,8 @@ def build_rank(cfg: EngineConfig, tp: TPGroup) -> RankState:
     m = model.cfg
     kv_heads = tp.part(m.num_kv_heads, "num_kv_heads")
     chunk_size = cfg.cache.chunk_size or (CUDA_CHUNK_SIZE if cuda else CPU_CHUNK_SIZE)
-    per_chunk = ChunkPool.bytes_per_chunk(m.num_layers, chunk_size, kv_heads, m.head_dim, dtype)
+    kv_dtype = kv_cache_dtype(cfg, device, dtype)
+    per_chunk = ChunkPool.bytes_per_chunk(m.num_layers, chunk_size, kv_heads, m.head_dim, kv_dtype)
     memory = cfg.cache.kv_cache_memory
     if memory is None:
         memory = CPU_KV_CACHE_MEMORY if not cuda else int(0.9 * torch.cuda.mem_get_info(device)[0])
@@ -131,10 +134,18 @@ def build_rank(cfg: EngineConfig, tp: TPGroup) -> RankState:
     if tp.size > 1:  # every rank must hold the same chunk ids
         num_chunks = num_chunks.to(device)
         dist.all_reduce(num_chunks, op=dist.ReduceOp.MIN)
-    pool = ChunkPool(m.num_layers, int(num_chunks), chunk_size, kv_heads, m.head_dim, dtype, device)
+    pool = ChunkPool(m.num_layers, int(num_chunks), chunk_size, kv_heads, m.head_dim, kv_dtype, device)
     cell = (CUDA_CELL if cuda else CPU_CELL) if cfg.deterministic else None
     shape = AttentionShape(tp.part(m.num_heads, "num_heads"), kv_heads, m.head_dim, m.attn_scale,
-                           dtype, device, m.sliding_window if m.sliding_layers else None, cell)
+                           dtype, device, m.sliding_window if m.sliding_layers else None, cell,
+                           None if kv_dtype == dtype else kv_dtype)
+    if pool.scales is not None:
+        ids = scales.calibration_ids(loader.load_tokenizer(src, cfg.tokenizer), m.vocab_size)
+        pool.scales.copy_(scales.scales_from_amax(
+            scales.measure_amax(model, shape, ids, chunk_size, m.num_layers)))
+        exps = torch.log2(pool.scales[:, :2]).int()
+        log.info("fp8 KV cache: scales 2^%d .. 2^%d (K), 2^%d .. 2^%d (V), from %d calibration tokens",
+                 exps[:, 0].min(), exps[:, 0].max(), exps[:, 1].min(), exps[:, 1].max(), ids.numel())
     state = RankState(tp, device, dtype, src, model, pool, create_backend(cfg.attention_backend, shape))
     if cuda and not cfg.enforce_eager:
         if tp.size == 1:
@@ -142,6 +153,17 @@ def build_rank(cfg: EngineConfig, tp: TPGroup) -> RankState:
         else:
             log.info("tensor parallel: decode steps run eagerly (CUDA graphs are single-GPU for now)")
     return state
+
+
+def kv_cache_dtype(cfg: EngineConfig, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's, or e4m3 for `kv_cache_dtype` fp8 (on CUDA, a
+    GPU with fp8 conversions: compute capability 8.9 or newer)."""
+    if cfg.cache.kv_cache_dtype == "auto":
+        return dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"kv_cache_dtype {cfg.cache.kv_cache_dtype!r} needs a GPU of compute capability 8.9 or "
+                         f"newer (this one: {torch.cuda.get_device_capability(device)}); use kv_cache_dtype='auto'")
+    return torch.float8_e4m3fn
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,10 @@ A chunk is vLLM's block and ChunkAttention's chunk: `chunk_size` consecutive tok
 K and V in every layer. The pool knows nothing of sequences or prefixes; the prefix tree owns
 every allocated chunk. One more chunk, never handed out, follows the `num_chunks` usable ones:
 the padding rows of a CUDA-graph step write their K/V to its first slot (`pad_slot`).
+
+An fp8 pool (dtype float8_e4m3fn) also holds `scales` [L, 4, Hkv] fp32, its layers' fixed
+quantization scales (`kvcache.scales`; rows as `attention.ops.reference` names them), set
+once at start-up; a 16-bit pool has none.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ class ChunkPool:
         shape = (num_layers, num_chunks + 1, chunk_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, N + 1, C, Hkv, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.scales = torch.ones((num_layers, 4, num_kv_heads), device=device) \
+            if dtype == torch.float8_e4m3fn else None
         self.num_chunks, self.chunk_size = num_chunks, chunk_size
         self.pad_slot = num_chunks * chunk_size
         self._free = list(range(num_chunks - 1, -1, -1))  # a stack: lowest id handed out first

@@ -85,9 +85,9 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = GemmaMLP(cfg, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
 
-    def forward(self, h, positions, attn, k_cache, v_cache):
+    def forward(self, h, positions, attn, k_cache, v_cache, kv_scale=None):
         """h: [T, hidden], the residual stream -> the next layer's."""
-        x = self.self_attn(self.input_layernorm(h), positions, attn, k_cache, v_cache)
+        x = self.self_attn(self.input_layernorm(h), positions, attn, k_cache, v_cache, kv_scale)
         h = h + self.post_attention_layernorm(x)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
@@ -114,12 +114,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, self.embed_tokens.num_embeddings, False, tp.invariant)
 
-    def forward(self, input_ids, positions, attn, k_caches, v_caches):
-        """input_ids, positions: [T]; k_caches: [L, num_chunks, C, Hkv, D] -> hidden [T, hidden]."""
+    def forward(self, input_ids, positions, attn, k_caches, v_caches, kv_scales=None):
+        """input_ids, positions: [T]; k_caches: [L, num_chunks, C, Hkv, D]; kv_scales: [L, 4,
+        Hkv] or None (LlamaForCausalLM.forward) -> hidden [T, hidden]."""
         h = self.embed_tokens(input_ids)
         h = h * self.embed_scale.to(h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, attn, k_caches[i], v_caches[i])
+            h = layer(h, positions, attn, k_caches[i], v_caches[i], None if kv_scales is None else kv_scales[i])
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

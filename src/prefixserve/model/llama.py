@@ -38,8 +38,9 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, sum(self.sizes), cfg.attention_bias, tp.invariant)
         self.o_proj = Linear(q_size, cfg.hidden_size, False, tp.invariant)
 
-    def forward(self, x, positions, attn: AttentionBackend, k_cache, v_cache):
-        """x: [T, hidden]; positions: [T]; k_cache, v_cache: [num_chunks, C, Hkv, D]."""
+    def forward(self, x, positions, attn: AttentionBackend, k_cache, v_cache, kv_scale=None):
+        """x: [T, hidden]; positions: [T]; k_cache, v_cache: [num_chunks, C, Hkv, D];
+        kv_scale: [4, Hkv], an fp8 cache's scales (`AttentionBackend.run`)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # views of one [T, q + 2 kv] tensor
         q = q.view(t, self.num_heads, self.head_dim)
@@ -47,7 +48,7 @@ class Attention(nn.Module):
         q, k = self.prepare_qk(q, k)
         self.rotary(positions, q, k)
         o = attn.run(q, k, v.view(t, self.num_kv_heads, self.head_dim), k_cache, v_cache,
-                     window=self.window)
+                     window=self.window, kv_scale=kv_scale)
         return self.tp.all_reduce(self.o_proj(o.reshape(t, -1)))
 
     def prepare_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,13 +98,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, x, residual, positions, attn, k_cache, v_cache):
+    def forward(self, x, residual, positions, attn, k_cache, v_cache, kv_scale=None):
         """x, residual: [T, hidden]; residual None (the first layer): h = x, the embeddings."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm.add_forward(x, residual)
-        x = self.self_attn(x, positions, attn, k_cache, v_cache)
+        x = self.self_attn(x, positions, attn, k_cache, v_cache, kv_scale)
         x, residual = self.post_attention_layernorm.add_forward(x, residual)
         return self.mlp(x), residual
 
@@ -132,11 +133,14 @@ class LlamaForCausalLM(nn.Module):
                             self.cfg)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
-                k_caches: torch.Tensor, v_caches: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T]; k_caches: [L, num_chunks, C, Hkv, D] -> hidden [T, hidden]."""
+                k_caches: torch.Tensor, v_caches: torch.Tensor,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T]; k_caches: [L, num_chunks, C, Hkv, D]; kv_scales: [L, 4,
+        Hkv], an fp8 cache's (`kvcache.scales`) -> hidden [T, hidden]."""
         x, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, attn, k_caches[i], v_caches[i])
+            x, residual = layer(x, residual, positions, attn, k_caches[i], v_caches[i],
+                                None if kv_scales is None else kv_scales[i])
         assert residual is not None  # set by the first layer (num_layers >= 1)
         return self.norm.add_forward(x, residual)[0]
 
