@@ -1,4 +1,5 @@
-"""`prefixserve bench kernels | gemm | moe | throughput | serve | side-channel | eviction | determinism`: each a
+"""`prefixserve bench kernels | gemm | moe | throughput | serve | side-channel | eviction | determinism |
+kv-accuracy`: each a
 module with `register(subparsers)`."""
 
 from __future__ import annotations
@@ -7,12 +8,12 @@ import importlib
 
 BENCHMARKS = ("prefixserve.bench.kernels", "prefixserve.bench.gemm", "prefixserve.bench.moe", "prefixserve.bench.throughput",
               "prefixserve.bench.serving", "prefixserve.bench.side_channel", "prefixserve.bench.eviction",
-              "prefixserve.bench.determinism")
+              "prefixserve.bench.determinism", "prefixserve.bench.kv_accuracy")
 
 
 def register(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks: attention kernels, deterministic GEMM, MoE op, offline throughput, "
-                                          "online serving, side channel, eviction, determinism",
+                                          "online serving, side channel, eviction, determinism, fp8 KV accuracy",
                            description="Benchmarks. Each prints a short table and writes JSON + PNG "
                                        "under benchmarks/results/, named by workload, model and hardware.")
     bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
