@@ -76,6 +76,23 @@ def test_cpu_row_json_table_png(tmp_path, capsys, one_thread):
     assert all(col in out for col in ("sdpa", "hyd-pub", "hyd-cdnn", "fi-dec", "fi-casc", "vs all"))
 
 
+def test_fp8_twin_rows(tmp_path, one_thread):
+    """--kv-cache-dtype both: each row, then its fp8 twin (grid custom-fp8) over an e4m3 cache,
+    whose backends agree with each other, whose 16-bit peers say why they did not run, and
+    whose time is paired with its twin's; the run records the one-kernel graph floor."""
+    assert main(["bench", "kernels", *ROW, "--kv-cache-dtype", "both", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "kernels-cpu.json").read_text())
+    wide, fp8 = doc["rows"]
+    assert (fp8["grid"], fp8["label"], fp8["kv_dtype"]) == ("custom-fp8", wide["label"] + " fp8", "fp8")
+    assert fp8["bytes"] == (64 + 64 + 68) * 2 * 2 * 16 * 1 + 2 * 4 * 4 * 16 * 4  # K/V one byte, q/o fp32
+    for name in BACKENDS:
+        assert fp8["backends"][name]["max_err_vs_paged"] < 1e-5, name
+    assert "16-bit" in fp8["peers"]["sdpa"]["error"] and "CUDA only" in fp8["peers"]["flashinfer-decode"]["error"]
+    assert fp8["fp8_over_16bit"] == pytest.approx(fp8["best_us"] / wide["best_us"])
+    assert doc["summary"]["fp8_over_16bit"] == {fp8["label"]: fp8["fp8_over_16bit"]}
+    assert doc["ceilings"]["graph_launch_us"] > 0
+
+
 def _row(label, best_us, peers):
     res = {"grid": "hydragen", "label": label, "limit_us": 10.0,
            "backends": {"paged": {"us": 2 * best_us}, "hydragen": {"us": best_us},
@@ -96,7 +113,7 @@ def test_bars_against_the_issues_peers_and_against_all():
     assert s["hydragen_geomean_ratio_to_limit"] == pytest.approx(1.0)
     assert s["bars"]["hydragen_2x_vs_best_peer"] is True
     assert s["bars"]["hydragen_2x_vs_best_peer_incl_cudnn"] is False
-    assert s["bars"]["hydragen_within_1.5x"] is True and s["bars"]["table3_within_1.15x"] is None
+    assert s["bars"]["hydragen_within_1.4x"] is True and s["bars"]["table3_limit30_within_1.10x"] is None
 
 
 def _attend(q, k_cache, v_cache, qo, indptr, indices, last, scale):

@@ -8,7 +8,8 @@ its decoded token (the query).
     limit    max(bytes / copy bandwidth, FLOPs / matrix rate), both measured in this run
              (a device-to-device copy, bytes read + written; an 8192^3 matmul in --dtype on
              random data); bytes = shared K/V once + private K/V + q + o; FLOPs = 4 D Hq keys
-             per query
+             per query. Also measured: `graph_launch_us`, the replay of a one-kernel CUDA
+             graph (the floor of any step; the all-shared rows' bar adds it to the limit)
     timing   each backend's run() (new K/V + attend + merge) and each peer's call, captured in
              a CUDA graph where it can be and replayed under triton.testing.do_bench (median,
              L2 flushed before every replay); `timing` says graph or eager, `eager_us` is kept
@@ -19,6 +20,8 @@ its decoded token (the query).
              (Hydragen on cuDNN's / the memory-efficient LSE op). peers.py says how.
     checks   every backend's and peer's output against the paged backend's: max error over
              max |v|; a peer with a wrong output is not compared
+    fp8      --kv-cache-dtype fp8 / both: the rows over an e4m3 cache (rows.py); the peers there
+             are FlashInfer's (fp8 pages, one scale per tensor); the others read 16-bit K/V only
 
 Default grids: ChunkAttention's Table 3 (b 32, 32 heads, d 128, chunk 64; n_p 1024/2048/4096 x
 n_s 0, n_p/2, 3n_p/4, n_p) and a Hydragen-scale grid (b 256/1024, shared 2K/8K/16K, private
@@ -60,10 +63,10 @@ def measure_backends(row: Row, device: torch.device) -> tuple[dict[str, dict[str
     for name in BACKENDS:
         be = create_backend(name, row.shape)
         be.plan(row.batch)
-        fn = functools.partial(be.run, row.q, row.k, row.v, row.k_cache, row.v_cache)
+        fn = functools.partial(be.run, row.q, row.k, row.v, row.k_cache, row.v_cache, kv_scale=row.kv_scale)
         out = fn()
         ref = out if ref is None else ref
-        entry = {**time_call(fn, device), "max_err_vs_paged": max_err(out, ref, row.v_cache)}
+        entry = {**time_call(fn, device), "max_err_vs_paged": max_err(out, ref, row.vmax)}
         if name == "auto":
             assert isinstance(be, AutoBackend), "the registry's `auto` is AutoBackend"
             entry["chose"] = be.chosen
@@ -87,13 +90,19 @@ def measure_row(row: Row, ceil: dict[str, float], device: torch.device) -> dict[
 
 
 def workloads(args) -> list[Workload]:
+    """The rows asked for; with --kv-cache-dtype both, each 16-bit row then its fp8 twin (grid
+    `<grid>-fp8`)."""
     if args.grid == "custom" or any(x is not None for x in (args.batch, args.context, args.shared)):
         shared = tuple(int(s) for s in (args.shared or "0").split(",") if int(s) > 0)
-        return [Workload("custom", args.batch or 32, args.heads, args.kv_heads or args.heads,
+        rows = [Workload("custom", args.batch or 32, args.heads, args.kv_heads or args.heads,
                          args.head_dim, args.context or 2048, shared, args.chunk_size, args.dtype,
                          args.groups)]
-    return ((table3(args.dtype) if args.grid in ("table3", "all") else [])
-            + (hydragen_grid(args.dtype) if args.grid in ("hydragen", "all") else []))
+    else:
+        rows = ((table3(args.dtype) if args.grid in ("table3", "all") else [])
+                + (hydragen_grid(args.dtype) if args.grid in ("hydragen", "all") else []))
+    fp8 = lambda w: dataclasses.replace(w, grid=f"{w.grid}-fp8", kv_dtype="fp8")  # noqa: E731
+    kinds = {"auto": lambda w: [w], "fp8": lambda w: [fp8(w)], "both": lambda w: [w, fp8(w)]}[args.kv_cache_dtype]
+    return [x for w in rows for x in kinds(w)]
 
 
 def device_slug(device: torch.device) -> tuple[str, str]:
@@ -108,7 +117,7 @@ def main(args) -> int:
     json_path = pathlib.Path(args.out) / f"kernels-{slug}.json"
     ceil = ceilings(device, DTYPES[args.dtype])
     print(f"{name}: copy {ceil['copy_bandwidth'] / 1e12:.2f} TB/s, {args.dtype} matmul "
-          f"{ceil['matrix_rate'] / 1e12:.0f} TFLOP/s", flush=True)
+          f"{ceil['matrix_rate'] / 1e12:.0f} TFLOP/s, one-kernel graph {ceil['graph_launch_us']:.1f} us", flush=True)
     result: dict[str, Any] = {"device": name, "torch": torch.__version__, "ceilings": ceil, "rows": []}
     for w in rows_w:
         row = build(w, device)
@@ -119,7 +128,7 @@ def main(args) -> int:
         r = result["rows"][-1]
         print(f"  {w.grid} {w.label}: best {r['best_backend']} {r['best_us']:.1f} us = "
               f"{r['ratio_to_limit']:.2f} x limit; auto {r['backends']['auto']['chose']}", flush=True)
-        result["summary"] = summarize(result["rows"])
+        result["summary"] = summarize(result["rows"], ceil)
         publish(result, json_path, args, PROG, partial=True)  # the rows so far, should a later one fail
     if args.sweep and device.type == "cuda":
         result["sweep"] = sweep(args.dtype, device)
@@ -145,6 +154,9 @@ def register(sub) -> None:
     p.add_argument("--groups", type=int, default=4, help="fan-out of each shared level below the first")
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float16")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "both"), default="auto",
+                   help="the cache's type: --dtype (auto), e4m3 (fp8), or every row in both (the fp8 "
+                        "twin's grid is <grid>-fp8)")
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
     p.add_argument("--sweep", action="store_true", help="also time launch shapes of the attend kernel")

@@ -18,6 +18,10 @@ is not timed; run(q, (k_cache, v_cache)) is what is timed, like our backends' ru
 page table needs every page of a request full except its last: a decode path whose shared
 level ends inside a chunk cannot be expressed (the entry says so); each cascade level can.
 FlashInfer is optional: imported here only, and set up by benchmarks/flashinfer-setup.sh.
+
+fp8 rows: the pages are e4m3 (`kv_data_type`), and run() takes the row's one K and one V
+scale (`k_scale`, `v_scale`; rows.py gives every head the same); the cascade wrapper takes
+none, so its output there is checked like any other and not counted if wrong.
 """
 
 from __future__ import annotations
@@ -107,8 +111,18 @@ def decode_peer(fi, row: Row, ws: torch.Tensor, use_tensor_cores: bool):
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=use_tensor_cores)
     wrapper.plan(*decode_tables(row.batch, row.q.device), w.heads, w.kv_heads, w.head_dim, c,
                  **_plan_args(row))
-    kv = (row.k_cache, row.v_cache)
-    return lambda: wrapper.run(row.q, kv)
+    kv, scales = (row.k_cache, row.v_cache), _fp8_scales(row)
+    return lambda: wrapper.run(row.q, kv, **scales)
+
+
+def _fp8_scales(row: Row) -> dict[str, float]:
+    """run()'s k_scale and v_scale of an fp8 row (one per tensor), else none."""
+    if row.kv_scale is None:
+        return {}
+    from ...attention.ops.reference import K_SCALE, V_SCALE
+    k, v = row.kv_scale[K_SCALE], row.kv_scale[V_SCALE]
+    assert (k == k[0]).all() and (v == v[0]).all(), "an fp8 row's heads share their scales"
+    return {"k_scale": float(k[0]), "v_scale": float(v[0])}
 
 
 def cascade_peer(fi, row: Row, ws: torch.Tensor):
@@ -123,11 +137,11 @@ def cascade_peer(fi, row: Row, ws: torch.Tensor):
 
 
 def _attempt(make: Callable[[], Callable[[], torch.Tensor]], device: torch.device, ref: torch.Tensor,
-             v_cache: torch.Tensor) -> dict[str, Any]:
+             vmax: float) -> dict[str, Any]:
     """Plan (make()) and measure one FlashInfer call; any failure -- a JIT build, an unsupported
     dtype, a page table FlashInfer cannot express -- is recorded, not raised."""
     try:
-        return measure_call(make(), device, ref, v_cache)
+        return measure_call(make(), device, ref, vmax)
     except Exception as e:  # an optional library's failures are many: recorded
         return {"error": f"{type(e).__name__}: " + str(e).split("\n")[0][:200]}
 
@@ -152,7 +166,7 @@ def flashinfer_peers(row: Row, device: torch.device, ref: torch.Tensor) -> dict:
         why = f"import flashinfer failed ({type(e).__name__}: {str(e)[:160]}); see benchmarks/flashinfer-setup.sh"
         return {n: {"error": why} for n in NAMES}
     ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-    attempt = lambda make: _attempt(make, device, ref, row.v_cache)  # noqa: E731
+    attempt = lambda make: _attempt(make, device, ref, row.vmax)  # noqa: E731
     decode = _fastest({"cuda-cores": attempt(lambda: decode_peer(fi, row, ws, False)),
                        "tensor-cores": attempt(lambda: decode_peer(fi, row, ws, True))})
     cascade = attempt(lambda: cascade_peer(fi, row, ws))

@@ -85,7 +85,7 @@ def sdpa_peer(row: Row):
 def measure_sdpa(row: Row, device: torch.device, ref: torch.Tensor) -> dict:
     try:
         fn, factor, info = sdpa_peer(row)
-        return {**measure_call(fn, device, ref, row.v_cache, factor), "scaled": factor != 1, **info}
+        return {**measure_call(fn, device, ref, row.vmax, factor), "scaled": factor != 1, **info}
     except _FAILURES as e:
         return {"error": _reason(e)}
 
@@ -150,7 +150,7 @@ def measure_hydragen(row: Row, device: torch.device, ref: torch.Tensor) -> dict:
     for peer, op in HYDRAGEN_OPS.items():
         try:
             peers[peer] = {**measure_call(hydragen_peer(row, lse_op(op, device)), device, ref,
-                                          row.v_cache), "op": op}
+                                          row.vmax), "op": op}
         except _FAILURES as e:
             peers[peer] = {"error": _reason(e), "op": op}
     return peers
@@ -158,6 +158,9 @@ def measure_hydragen(row: Row, device: torch.device, ref: torch.Tensor) -> dict:
 
 def measure_peers(row: Row, device: torch.device, ref: torch.Tensor) -> dict:
     """Every peer of ALL_PEERS: a measured entry (us, max_err_vs_paged, counted, timing) or
-    an entry with the `error` that kept it from running."""
+    an entry with the `error` that kept it from running (an fp8 row: FlashInfer's only)."""
+    if row.kv_scale is not None:
+        why = {"error": "reads 16-bit K/V only (no fp8 cache path)"}
+        return {"sdpa": why, **{p: why for p in HYDRAGEN_OPS}, **flashinfer_peers(row, device, ref)}
     return {"sdpa": measure_sdpa(row, device, ref), **measure_hydragen(row, device, ref),
             **flashinfer_peers(row, device, ref)}

@@ -5,6 +5,18 @@ flashinfer-decode, flashinfer-cascade; the bars are judged on these) and against
 measured (ALL_PEERS, adding hydragen-cudnn and hydragen-efficient: keys `*_incl_cudnn`), so the
 strongest peer's number is always in the report. Only peers whose output was right (`counted`)
 are compared. A bar is null where its grid was not run or a row of it had no peer to compare.
+
+The bars (issue 25), judged on the 16-bit rows; `table3-fp8` / `hydragen-fp8` rows are judged
+against their 16-bit twins (`fp8_over_16bit`) and FlashInfer's fp8 decode:
+
+    table3_limit30_within_1.10x        geomean over Table 3's rows whose limit is >= 30 us
+    table3_all_shared_within_2x        rows with n_s = n_p: time <= 2 x (limit + graph_launch_us)
+    table3_no_row_slower_than_best_peer
+    hydragen_within_1.4x, hydragen_flop_rows_70pct_matrix (FLOP-bound rows' FLOPs / time >= 0.7 x
+    the measured matrix rate), hydragen_2x_vs_best_peer
+    fp8_bytes_rows_within_0.6x         every bytes-bound fp8 row <= 0.6 x its 16-bit twin
+    fp8_ahead_of_flashinfer            no fp8 row slower than FlashInfer's fp8 (where counted)
+    auto_within_5pct
 """
 
 from __future__ import annotations
@@ -60,10 +72,44 @@ def _judged(g: dict[str, Any] | None, sfx: str) -> dict[str, Any] | None:
     return g if g is not None and not g["rows_without_peer" + sfx] else None
 
 
+def _all(xs: list[bool]) -> bool | None:
+    return all(xs) if xs else None
+
+
+def _rows_bars(rows: list[dict], ceil: dict[str, float] | None) -> dict[str, Any]:
+    """The bars judged row by row (module docstring); None where no row or ceiling applies."""
+    t3 = [r for r in rows if r["grid"] == "table3"]
+    long = [r["ratio_to_limit"] for r in t3 if r["limit_us"] >= 30]
+    launch = ceil.get("graph_launch_us") if ceil else None
+    all_shared = [r["best_us"] <= 2 * (r["limit_us"] + launch) for r in t3
+                  if launch is not None and sum(r["shared"]) == r["context"]]
+    rate = ceil.get("matrix_rate") if ceil else None
+    flop_rows = [r["flops"] / (r["best_us"] * 1e-6) >= 0.7 * rate for r in rows
+                 if rate and r["grid"] == "hydragen" and r["bound"] == "flops"]
+    fp8 = [r for r in rows if r["grid"].endswith("-fp8")]
+    long_geomean = _geomean(long)
+    return {"table3_limit30_geomean_ratio": long_geomean,
+            "bars": {"table3_limit30_within_1.10x": None if long_geomean is None else long_geomean <= 1.10,
+                     "table3_all_shared_within_2x": _all(all_shared),
+                     "hydragen_flop_rows_70pct_matrix": _all(flop_rows),
+                     "fp8_bytes_rows_within_0.6x": _all([r["fp8_over_16bit"] <= 0.6 for r in fp8
+                                                         if r["bound"] == "bytes" and "fp8_over_16bit" in r]),
+                     "fp8_ahead_of_flashinfer": _all([r["speedup_vs_best_peer"] >= 1 for r in fp8
+                                                      if "speedup_vs_best_peer" in r])}}
+
+
+def pair_fp8(rows: list[dict]) -> None:
+    """Each fp8 row's best time over its 16-bit twin's (same grid and workload), where both ran."""
+    wide = {(r["grid"], r["label"]): r for r in rows if not r["grid"].endswith("-fp8")}
+    for r in rows:
+        twin = wide.get((r["grid"].removesuffix("-fp8"), r["label"].removesuffix(" fp8")))
+        if r["grid"].endswith("-fp8") and twin is not None:
+            r["fp8_over_16bit"] = r["best_us"] / twin["best_us"]
+
+
 def _bars(t3: dict[str, Any] | None, hy: dict[str, Any] | None, auto_max: float | None) -> dict[str, bool | None]:
-    """The issue's bars, and beside each peer bar the same bar against every peer."""
-    bars: dict[str, Any] = {"table3_within_1.15x": t3 and t3["geomean_ratio_to_limit"] <= 1.15,
-                            "hydragen_within_1.5x": hy and hy["geomean_ratio_to_limit"] <= 1.5,
+    """The grid-level bars, and beside each peer bar the same bar against every peer."""
+    bars: dict[str, Any] = {"hydragen_within_1.4x": hy and hy["geomean_ratio_to_limit"] <= 1.4,
                             "auto_within_5pct": None if auto_max is None else auto_max <= 1.05}
     for sfx in PEER_SETS:
         t3_j, hy_j = _judged(t3, sfx), _judged(hy, sfx)
@@ -74,7 +120,9 @@ def _bars(t3: dict[str, Any] | None, hy: dict[str, Any] | None, auto_max: float 
     return {k: (None if v is None else bool(v)) for k, v in bars.items()}
 
 
-def summarize(rows: list[dict]) -> dict:
+def summarize(rows: list[dict], ceil: dict[str, float] | None = None) -> dict:
+    """Per-grid stats and the bars; `ceil`: the run's ceilings (the launch and matrix-rate bars)."""
+    pair_fp8(rows)
     grids = {g: grid_stats([r for r in rows if r["grid"] == g])
              for g in dict.fromkeys(r["grid"] for r in rows)}
     t3, hy = grids.get("table3"), grids.get("hydragen")
@@ -86,7 +134,10 @@ def summarize(rows: list[dict]) -> dict:
         s["table3_rows_worse_than_best_peer" + sfx] = get(t3, "rows_worse_than_best_peer" + sfx)
         s["hydragen_min_speedup_vs_best_peer" + sfx] = get(hy, "min_speedup_vs_best_peer" + sfx)
     s["auto_max_over_best"] = max((r["auto_over_best"] for r in rows), default=None)
-    s["bars"] = _bars(t3, hy, s["auto_max_over_best"])
+    by_row = _rows_bars(rows, ceil)
+    s["table3_limit30_geomean_ratio"] = by_row["table3_limit30_geomean_ratio"]
+    s["fp8_over_16bit"] = {r["label"]: r["fp8_over_16bit"] for r in rows if "fp8_over_16bit" in r}
+    s["bars"] = {**_bars(t3, hy, s["auto_max_over_best"]), **by_row["bars"]}
     s["grids"] = grids
     return s
 

@@ -5,6 +5,11 @@ A row is a batch of decoding sequences over a prefix tree: `shared = (2048, 512)
 sequences below it; each sequence then holds its own `context - sum(shared)` prompt tokens
 and its decoded token (the query). The tree and the `AttentionBatch` are built directly (no
 model); chunk ids are shuffled, as in a used pool. Every node starts a new chunk (offset 0).
+
+An fp8 row (`kv_dtype="fp8"`) holds the same random K/V quantized to e4m3 under one power-of-
+two scale for every head (`kvcache.scales` from the cache's |max|): the engine's scales are
+per head, but FlashInfer's fp8 decode takes one scale per tensor, and a shared one lets its
+output be checked against ours.
 """
 
 from __future__ import annotations
@@ -33,11 +38,16 @@ class Workload:
     chunk_size: int
     dtype: str
     groups: int = 4  # fan-out of every shared level below the first
+    kv_dtype: str = ""  # "": the cache holds `dtype`; "fp8": e4m3 with scales
 
     @property
     def label(self) -> str:
         sh = "+".join(map(str, self.shared)) or "0"
-        return f"b{self.batch} ctx{self.context} sh{sh}"
+        return f"b{self.batch} ctx{self.context} sh{sh}" + (f" {self.kv_dtype}" if self.kv_dtype else "")
+
+    @property
+    def kv_itemsize(self) -> int:
+        return 1 if self.kv_dtype == "fp8" else DTYPES[self.dtype].itemsize
 
     @property
     def private(self) -> int:  # own keys of a sequence, its decoded token included
@@ -71,6 +81,8 @@ class Row:
     v_cache: torch.Tensor
     level_slots: list[list[torch.Tensor]]  # [level][node]: flat slots of that node's keys
     private_slots: torch.Tensor  # [b, private] flat slots
+    vmax: float  # max |v| of the cache (before an fp8 row's quantization): outputs' error scale
+    kv_scale: torch.Tensor | None = None  # [4, Hkv] fp32 (an fp8 row), every head's the same
 
 
 def build(w: Workload, device: torch.device, seed: int = 0) -> Row:
@@ -99,16 +111,34 @@ def build(w: Workload, device: torch.device, seed: int = 0) -> Row:
     tg = torch.Generator(device).manual_seed(seed)
     cache = (sum(need), c, w.kv_heads, w.head_dim)
     rnd = lambda *s: torch.randn(*s, generator=tg, device=device, dtype=dtype)  # noqa: E731
-    return Row(w, shape, batch, rnd(b, w.heads, w.head_dim), rnd(b, w.kv_heads, w.head_dim),
-               rnd(b, w.kv_heads, w.head_dim), rnd(*cache), rnd(*cache),
-               [[seg.slots(c) for seg in lv] for lv in levels], private_slots)
+    q, k, v, k_cache, v_cache = (rnd(b, w.heads, w.head_dim), rnd(b, w.kv_heads, w.head_dim),
+                                 rnd(b, w.kv_heads, w.head_dim), rnd(*cache), rnd(*cache))
+    kv_scale, vmax = None, float(v_cache.abs().max())
+    if w.kv_dtype == "fp8":
+        k_cache, v_cache, kv_scale = _quantized(k_cache, v_cache)
+        shape = dataclasses.replace(shape, kv_dtype=k_cache.dtype)
+    return Row(w, shape, batch, q, k, v, k_cache, v_cache,
+               [[seg.slots(c) for seg in lv] for lv in levels], private_slots, vmax, kv_scale)
+
+
+def _quantized(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The caches in e4m3 and their kv_scale [4, Hkv]: one scale per tensor, for every head."""
+    from ...attention.ops.reference import K_INV, V_INV, quantize
+    from ...kvcache.scales import scales_from_amax
+    hkv = k_cache.shape[2]
+    amax = torch.stack([x.abs().amax().float().expand(hkv) for x in (k_cache, v_cache)])  # [2, Hkv]
+    kv_scale = scales_from_amax(amax[None])[0]
+    flat = lambda x: x.view(-1, *x.shape[2:])  # noqa: E731
+    k8 = quantize(flat(k_cache), kv_scale[K_INV]).view(k_cache.shape)
+    v8 = quantize(flat(v_cache), kv_scale[V_INV]).view(v_cache.shape)
+    return k8, v8, kv_scale
 
 
 def limit(w: Workload, bandwidth: float, rate: float) -> dict:
-    """The fewest bytes (shared K/V once + private K/V + q + o) over the copy bandwidth, and the
-    FLOPs (4 D Hq per key per query) over the matrix rate; the larger is the limit."""
+    """The fewest bytes (shared K/V once + private K/V, in the cache's type, + q + o) over the
+    copy bandwidth, and the FLOPs (4 D Hq per key per query) over the matrix rate; the larger is the limit."""
     e = DTYPES[w.dtype].itemsize
-    kv_token = 2 * w.kv_heads * w.head_dim * e
+    kv_token = 2 * w.kv_heads * w.head_dim * w.kv_itemsize
     keys = sum(w.nodes(lvl) * s for lvl, s in enumerate(w.shared)) + w.batch * w.private
     nbytes = keys * kv_token + 2 * w.batch * w.heads * w.head_dim * e
     flops = 4 * w.head_dim * w.heads * w.batch * (w.context + 1)
