@@ -66,10 +66,11 @@ about 500 seconds, a little over 8 minutes.
 
 
 def calibration_ids(tokenizer: Any, vocab_size: int, length: int = 512) -> torch.Tensor:
-    """[n] int64: the calibration text's tokens (with the tokenizer's BOS if it adds one),
+    """[n] int64: the calibration text's tokens (with the tokenizer's BOS if it adds one), taken
+    into the model's vocabulary (a benchmark may pair a dummy model with another's tokenizer),
     else `length` ids drawn with CALIBRATION_SEED."""
     if tokenizer is not None:
-        return torch.tensor(tokenizer.encode(CALIBRATION_TEXT), dtype=torch.int64)
+        return torch.tensor(tokenizer.encode(CALIBRATION_TEXT), dtype=torch.int64) % vocab_size
     gen = torch.Generator().manual_seed(CALIBRATION_SEED)
     return torch.randint(0, vocab_size, (length,), generator=gen)
 
