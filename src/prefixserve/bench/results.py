@@ -6,6 +6,7 @@ Configs are the seeds' systems, each one engine setting (RelayAttention's names 
     paged          paged backend, prefix caching on    shared prefixes stored and computed once, read per sequence ("vLLM-PS")
     relay | hydragen | chunk | auto                    that backend, caching on: shared prefixes also read once per step
     auto-det       auto in deterministic mode          bit-identical outputs whatever the batch (its cost: `det_vs_default`)
+    auto-fp8       auto over an fp8 KV cache           half the K/V bytes; not the 16-bit model's outputs (`fp8_vs_default`)
     no-attention   attention skipped, caching on       Hydragen's throughput ceiling (outputs meaningless)
 
 A result file is `{bench}-{workload}-{model}-{hardware}.json` (+ `.png`) under
@@ -39,10 +40,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "chunk": {"attention_backend": "chunk", "enable_prefix_caching": True},
     "auto": {"attention_backend": "auto", "enable_prefix_caching": True},
     "auto-det": {"attention_backend": "auto", "enable_prefix_caching": True, "deterministic": True},
+    "auto-fp8": {"attention_backend": "auto", "enable_prefix_caching": True, "kv_cache_dtype": "fp8"},
     "no-attention": {"attention_backend": "no-attention", "enable_prefix_caching": True},
 }
 BASELINE, CEILING = "paged-nocache", "no-attention"
-INEXACT = frozenset({CEILING})  # configs whose outputs are not the model's
+INEXACT = frozenset({CEILING, "auto-fp8"})  # configs whose outputs are not the (16-bit cache) model's
 DEFAULT_OUT_DIR = Path("benchmarks") / "results"
 ENGINE_FLAGS_NOTE = ("Each config sets --attention-backend and --[no-]enable-prefix-caching; the other "
                      "engine flags apply to every config.")

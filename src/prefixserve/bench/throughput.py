@@ -116,10 +116,11 @@ def _add_comparisons(entries: list[dict], outputs: dict[str, list], greedy: bool
             e["cpu_time_" + key] = R.ratio(e["output_tokens_per_cpu_s"], o.get("output_tokens_per_cpu_s"))
             e[key] = R.ratio(e["output_tokens_per_s"], o.get("output_tokens_per_s"))
             e["decode_" + key] = R.ratio(e["decode_tokens_per_s"], o.get("decode_tokens_per_s"))
-        default = by.get(e["config"].removesuffix("-det"))
-        if default is not None and default is not e:  # deterministic mode's cost, same run
-            e["det_vs_default"] = R.ratio(e["output_tokens_per_s"], default["output_tokens_per_s"])
-            e["decode_det_vs_default"] = R.ratio(e["decode_tokens_per_s"], default["decode_tokens_per_s"])
+        for mode in ("det", "fp8"):  # deterministic mode's cost, the fp8 cache's gain: same run
+            default = by.get(e["config"].removesuffix(f"-{mode}"))
+            if default is not None and default is not e:
+                e[f"{mode}_vs_default"] = R.ratio(e["output_tokens_per_s"], default["output_tokens_per_s"])
+                e[f"decode_{mode}_vs_default"] = R.ratio(e["decode_tokens_per_s"], default["decode_tokens_per_s"])
         against = ref if greedy and e["config"] in exact and e["config"] != ref else None
         # one workload: every config returns one output per sequence, in the same order
         mismatched = (None if against is None
