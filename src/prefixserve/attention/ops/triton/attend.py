@@ -26,9 +26,10 @@ walk, and the unit writes it into slots[t]. No program reads that slot in the st
 (`worklist.mark_stores`), so the write needs no ordering.
 
 FP8_CACHE (an fp8 cache, `reference`'s kv_scale [4, Hkv]): K/V tiles load as e4m3 (half the
-bytes) and widen to q's dtype in registers, exactly; the head's K scale joins the score scale
-and its V scale multiplies the output (powers of two: exact). A stored new key is quantized
-as the store launch quantizes it (`store.quantize_fp8`) before it joins the softmax.
+bytes) and widen to fp16 in registers, exactly (a bf16 q tile is taken to fp16:
+`store.fp8_query`); the head's K scale joins the score scale and its V scale multiplies the
+output (powers of two: exact). A stored new key is quantized as the store launch quantizes it
+(`store.quantize_fp8`) before it joins the softmax.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import triton.language as tl
 
 from ..reference import FP8
 from .merge import merge_rows
-from .store import K_INV_ROW, K_SCALE_ROW, V_INV_ROW, V_SCALE_ROW, quantize_fp8
+from .store import K_INV_ROW, K_SCALE_ROW, V_INV_ROW, V_SCALE_ROW, fp8_query, quantize_fp8
 from .worklist import KernelConfig, build_worklist, choose_configs, next_pow2
 
 _LOG2E = 1.4426950408889634
@@ -146,6 +147,8 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
     q_ptr = q + (q_start + row)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh
     qt = tl.load(q_ptr + d[None, :], mask=_rows_mask(row_ok, col_ok, BLOCK_D == HEAD_DIM),
                  other=0.0)
+    if FP8_CACHE:
+        qt, scale_log2 = fp8_query(qt, scale_log2, q.dtype.element_ty == tl.bfloat16)
     if DOT_FP32:
         qt = qt.to(tl.float32)
     qp = tl.load(q_pos + q_start + row, mask=row_ok, other=-1)  # masked rows see nothing
@@ -172,7 +175,7 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
             kt = tl.load(k_cache + base + tile_off, mask=kv_mask, other=0.0)
             vt = tl.load(v_cache + base + tile_off, mask=kv_mask, other=0.0)
             if FP8_CACHE:
-                kt, vt = kt.to(q.dtype.element_ty), vt.to(q.dtype.element_ty)
+                kt, vt = kt.to(qt.dtype), vt.to(qt.dtype)  # exact
             m_i, l_i, acc = _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc,
                                          scale_log2, window, CAUSAL, SLIDING, PRECISION,
                                          DOT_FP32, FP8_CACHE)
@@ -193,7 +196,7 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
             kt = tl.load(k_cache + kv_off, mask=kv_mask, other=0.0)
             vt = tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)
             if FP8_CACHE:
-                kt, vt = kt.to(q.dtype.element_ty), vt.to(q.dtype.element_ty)
+                kt, vt = kt.to(qt.dtype), vt.to(qt.dtype)  # exact
             m_i, l_i, acc = _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc,
                                          scale_log2, window, CAUSAL, SLIDING, PRECISION,
                                          DOT_FP32, FP8_CACHE)

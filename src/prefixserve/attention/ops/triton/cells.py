@@ -35,7 +35,7 @@ from .attend import _LOG2E, _rows_mask, _tile_update, grid_size, num_sms
 from .cell_worklist import build_cell_work, newest_tiles
 from .kernels import _addressable, _int, _tensor
 from .merge import merge_rows
-from .store import K_SCALE_ROW, V_SCALE_ROW, store_kv
+from .store import K_SCALE_ROW, V_SCALE_ROW, fp8_query, store_kv
 from .worklist import NARROW_ROWS, KernelConfig, choose_configs, next_pow2
 
 
@@ -63,14 +63,15 @@ def _cell_kernel(q, k_cache, v_cache, q_pos, units, unit_count, segs, tile_slots
         rows_mask = _rows_mask(row_ok, col_ok, BLOCK_D == HEAD_DIM)
         q_ptr = q + (q_start + row)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh
         qt = tl.load(q_ptr + d[None, :], mask=rows_mask, other=0.0)
+        scale_h, v_deq = scale_log2, 1.0  # an fp8 cache: the head's scales (attend.py)
+        if FP8_CACHE:
+            qt, scale_h = fp8_query(qt, scale_log2, q.dtype.element_ty == tl.bfloat16)
+            scale_h = scale_h * tl.load(kv_scale + K_SCALE_ROW * HKV + h)
+            v_deq = tl.load(kv_scale + V_SCALE_ROW * HKV + h)
         if DOT_FP32:
             qt = qt.to(tl.float32)
         qp = tl.load(q_pos + q_start + row, mask=row_ok, other=-1)
         n = tl.arange(0, BLOCK_N)
-        scale_h, v_deq = scale_log2, 1.0  # an fp8 cache: the head's scales (attend.py)
-        if FP8_CACHE:
-            scale_h = scale_log2 * tl.load(kv_scale + K_SCALE_ROW * HKV + h)
-            v_deq = tl.load(kv_scale + V_SCALE_ROW * HKV + h)
         for sg in range(s0, s1):  # the unit's cells, in order: one partial per row each
             t0 = tl.load(segs + sg * 4)
             t1 = tl.load(segs + sg * 4 + 1)
@@ -91,7 +92,7 @@ def _cell_kernel(q, k_cache, v_cache, q_pos, units, unit_count, segs, tile_slots
                 kt = tl.load(k_cache + off, mask=kv_mask, other=0.0)
                 vt = tl.load(v_cache + off, mask=kv_mask, other=0.0)
                 if FP8_CACHE:
-                    kt, vt = kt.to(q.dtype.element_ty), vt.to(q.dtype.element_ty)
+                    kt, vt = kt.to(qt.dtype), vt.to(qt.dtype)  # exact
                 k_pos = tl.load(tile_pos + t) + n
                 m_i, l_i, acc = _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc, scale_h,
                                              window, CAUSAL, SLIDING, PRECISION, DOT_FP32)
