@@ -65,12 +65,14 @@ def _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc, scale_log2, windo
                  CAUSAL: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
                  DOT_FP32: tl.constexpr, K_FIRST: tl.constexpr = False):
     """One K/V tile ([BLOCK_N, BLOCK_D] each) into the running (m_i, l_i, acc) of qt's rows;
-    K_FIRST: the scores as K Q^T (an fp8 cache's tiles)."""
+    K_FIRST: the scores as K Q^T (an fp8 cache's narrow tiles)."""
     if DOT_FP32:
         kt = kt.to(tl.float32)
     if K_FIRST:  # keys as the A operand: K^T as B would be a transposed load of the widened
         # 8-bit tile, which has no fast form; S^T = K Q^T then a [BLOCK_N, BLOCK_M] transpose
-        # (fp8, H200: paged decode of 32 x 4,096 keys 401 -> 342 us, 32 x 2,048 208 -> 179)
+        # (fp8, H200: paged decode of 32 x 4,096 keys 401 -> 342 us, 32 x 2,048 208 -> 179).
+        # Narrow tiles only: a wide tile's [64, 128] transpose costs more than it saves
+        # (1,024 x 2K shared keys: 827 us with, 478 without; 16-bit 433)
         s = tl.trans(tl.dot(kt, tl.trans(qt), input_precision=PRECISION))
     else:
         s = tl.dot(qt, tl.trans(kt), input_precision=PRECISION)  # unscaled scores [BLOCK_M, BLOCK_N]
@@ -178,7 +180,7 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
                 kt, vt = kt.to(qt.dtype), vt.to(qt.dtype)  # exact
             m_i, l_i, acc = _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc,
                                          scale_log2, window, CAUSAL, SLIDING, PRECISION,
-                                         DOT_FP32, FP8_CACHE)
+                                         DOT_FP32, FP8_CACHE and BLOCK_M <= 16)
     else:  # a tile spans BLOCK_N / C_PAD entries: per-key gathers
         for v0 in range(0, (e1 - e0) * C_PAD, BLOCK_N):
             e = e0 + (v0 + n) // C_PAD
@@ -199,7 +201,7 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
                 kt, vt = kt.to(qt.dtype), vt.to(qt.dtype)  # exact
             m_i, l_i, acc = _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc,
                                          scale_log2, window, CAUSAL, SLIDING, PRECISION,
-                                         DOT_FP32, FP8_CACHE)
+                                         DOT_FP32, FP8_CACHE and BLOCK_M <= 16)
 
     if STORE:
         if t >= 0:  # the new key: one more online-softmax step (q_len 1: rows m < G, fp32);
