@@ -1,8 +1,11 @@
 """`kv_cache_dtype="fp8"` on the real embedded model: the cache holds e4m3 under fixed
-power-of-two scales, and greedy outputs over it are token-identical across every attention
-backend, with prefix caching on and off, batched or alone (the exactness promise, for the fp8
-cache's own function). How close that function is to the 16-bit cache's is a benchmark's
-question (`prefixserve bench kv-accuracy`), not a test's."""
+power-of-two scales, and in deterministic mode greedy outputs over it are token-identical across
+every attention backend, with prefix caching on and off, batched or alone. In the default mode
+they need not be: a K/V element computed in a batch can differ from the same element computed
+alone in its last bit (as with a 16-bit cache), and rounding to e4m3 can turn that bit into one
+step of e4m3 (6%); a CI run saw relay and hydragen differ from the request alone. How close the
+fp8 cache's function is to the 16-bit cache's is a benchmark's question (`prefixserve bench
+kv-accuracy`), not a test's."""
 
 from __future__ import annotations
 
@@ -29,14 +32,15 @@ def prompts(tokenizer, sharegpt_questions):
 def alone(prompts):
     """Each prompt alone, paged, no prefix caching: the reference the others must equal."""
     llm = LLM(kv_cache_dtype="fp8", attention_backend="paged", enable_prefix_caching=False,
-              kv_cache_memory=64 << 20, chunk_size=16)
+              kv_cache_memory=64 << 20, chunk_size=16, deterministic=True)
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     return [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fp8_greedy_identical_across_backends_caching_and_batching(prompts, alone, backend):
-    llm = LLM(kv_cache_dtype="fp8", attention_backend=backend, kv_cache_memory=64 << 20, chunk_size=16)
+def test_fp8_deterministic_greedy_identical_across_backends_caching_and_batching(prompts, alone, backend):
+    llm = LLM(kv_cache_dtype="fp8", attention_backend=backend, kv_cache_memory=64 << 20, chunk_size=16,
+              deterministic=True)
     pool = llm.engine.pool
     assert pool.k.dtype == pool.v.dtype == FP8
     before = pool.scales.clone()
