@@ -140,12 +140,7 @@ def build_rank(cfg: EngineConfig, tp: TPGroup) -> RankState:
                            dtype, device, m.sliding_window if m.sliding_layers else None, cell,
                            None if kv_dtype == dtype else kv_dtype)
     if pool.scales is not None:
-        ids = scales.calibration_ids(loader.load_tokenizer(src, cfg.tokenizer), m.vocab_size)
-        pool.scales.copy_(scales.scales_from_amax(
-            scales.measure_amax(model, shape, ids, chunk_size, m.num_layers)))
-        exps = torch.log2(pool.scales[:, :2]).int()
-        log.info("fp8 KV cache: scales 2^%d .. 2^%d (K), 2^%d .. 2^%d (V), from %d calibration tokens",
-                 exps[:, 0].min(), exps[:, 0].max(), exps[:, 1].min(), exps[:, 1].max(), ids.numel())
+        scales.calibrate(pool, model, shape, loader.load_tokenizer(src, cfg.tokenizer))
     state = RankState(tp, device, dtype, src, model, pool, create_backend(cfg.attention_backend, shape))
     if cuda and not cfg.enforce_eager:
         if tp.size == 1:

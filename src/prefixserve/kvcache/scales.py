@@ -23,8 +23,9 @@ x / scale and read back as q8 * scale (`attention.ops.reference`). The scales ar
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +34,10 @@ from ..attention.base import AttentionBatch, AttentionShape, Segment, SeqQueries
 from ..attention.ops.reference import FP8_MAX
 from .chunk_pool import ChunkPool
 
+if TYPE_CHECKING:
+    from ..model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
 HEADROOM = 4.0
 CALIBRATION_SEED = 0  # token ids drawn with it when the model has no tokenizer
 
@@ -100,3 +105,15 @@ def measure_amax(model: torch.nn.Module, shape: AttentionShape, ids: torch.Tenso
     model(ids.to(shape.device), torch.arange(n, device=shape.device), backend, pool.k, pool.v)
     used = [x[:, :pool.num_chunks] for x in (pool.k, pool.v)]  # [L, N, C, Hkv, D], the pad chunk left out
     return torch.stack([x.float().abs().amax(dim=(1, 2, 4)) for x in used], dim=1)
+
+
+def calibrate(pool: ChunkPool, model: LlamaForCausalLM, shape: AttentionShape, tokenizer: Any) -> None:
+    """Set an fp8 pool's scales (`pool.scales`) from one forward of the calibration text (at
+    start-up, on every rank: each measures its own KV heads)."""
+    assert pool.scales is not None, "an fp8 pool"
+    ids = calibration_ids(tokenizer, model.cfg.vocab_size)
+    amax = measure_amax(model, shape, ids, pool.chunk_size, model.cfg.num_layers)
+    pool.scales.copy_(scales_from_amax(amax))
+    exps = torch.log2(pool.scales[:, :2]).int()
+    log.info("fp8 KV cache: scales 2^%d .. 2^%d (K), 2^%d .. 2^%d (V), from %d calibration tokens",
+             exps[:, 0].min(), exps[:, 0].max(), exps[:, 1].min(), exps[:, 1].max(), ids.numel())

@@ -48,6 +48,11 @@ def quantize(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     return (x.float() * inv[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
+def kv_scales(kv_scale: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(K, V) dequantization scales [Hkv] of an fp8 layer's kv_scale, (None, None) otherwise."""
+    return (None, None) if kv_scale is None else (kv_scale[K_SCALE], kv_scale[V_SCALE])
+
+
 def dequantize(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """Cache values x [L, Hkv, D] as the attention reads them: x * scale [Hkv] in fp32 for an
     fp8 cache (exact), else x itself."""
@@ -133,7 +138,7 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     writes stay (0, -inf).
     """
     hkv, d = k_cache.shape[2:]
-    k_deq, v_deq = (None, None) if kv_scale is None else (kv_scale[K_SCALE], kv_scale[V_SCALE])
+    k_deq, v_deq = kv_scales(kv_scale)
     flat_k, flat_v = k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, d)
     slots, k_pos, key_indptr = _expand_entries(k_cache.shape[1], kv_chunk, kv_lo, kv_hi, kv_pos)
     key_bounds = key_indptr[item_kv_indptr.long()].tolist()  # [I+1]: item -> key range
@@ -197,6 +202,7 @@ def attend_cells(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     hkv, d = k_cache.shape[2:]
     hq = q.shape[1]
     rows = max(1, CELL_ROWS // (hq // hkv))
+    k_deq, v_deq = kv_scales(kv_scale)
     flat_k, flat_v = k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, d)
     slots, k_pos, key_indptr = _expand_entries(k_cache.shape[1], kv_chunk, kv_lo, kv_hi, kv_pos)
     bounds = key_indptr[item_kv_indptr.long()].tolist()
@@ -210,8 +216,7 @@ def attend_cells(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k = q.new_zeros((cell, hkv, d), dtype=q.dtype if kv_scale is None else torch.float32)
         v = torch.zeros_like(k)
         keys = slots[bounds[i]:bounds[i + 1]]
-        k[pos - base] = dequantize(flat_k[keys], None if kv_scale is None else kv_scale[K_SCALE])
-        v[pos - base] = dequantize(flat_v[keys], None if kv_scale is None else kv_scale[V_SCALE])
+        k[pos - base], v[pos - base] = dequantize(flat_k[keys], k_deq), dequantize(flat_v[keys], v_deq)
         block_pos = torch.full((cell,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=q.device)
         block_pos[pos - base] = pos
         for r in range(0, n, rows):
