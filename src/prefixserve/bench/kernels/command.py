@@ -105,6 +105,12 @@ def workloads(args) -> list[Workload]:
     return [x for w in rows for x in kinds(w)]
 
 
+def wide_kernel(device: torch.device) -> str:
+    """Which kernel runs the 128-row wide launches of 16-bit decode steps here."""
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return "gluon (ops.triton.hopper)" if hopper else "triton (ops.triton.attend)"
+
+
 def device_slug(device: torch.device) -> tuple[str, str]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return name, "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
@@ -118,7 +124,8 @@ def main(args) -> int:
     ceil = ceilings(device, DTYPES[args.dtype])
     print(f"{name}: copy {ceil['copy_bandwidth'] / 1e12:.2f} TB/s, {args.dtype} matmul "
           f"{ceil['matrix_rate'] / 1e12:.0f} TFLOP/s, one-kernel graph {ceil['graph_launch_us']:.1f} us", flush=True)
-    result: dict[str, Any] = {"device": name, "torch": torch.__version__, "ceilings": ceil, "rows": []}
+    result: dict[str, Any] = {"device": name, "torch": torch.__version__, "ceilings": ceil, "rows": [],
+                              "wide_kernel": wide_kernel(device)}
     for w in rows_w:
         row = build(w, device)
         result["rows"].append(measure_row(row, ceil, device))

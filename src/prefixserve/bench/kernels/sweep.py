@@ -15,7 +15,8 @@ import torch
 from .rows import Row, build, hydragen_grid, table3
 from .timing import timed
 
-# launch shapes tried per unit class: (block_m, block_n, num_warps, num_stages, programs_per_sm)
+# launch shapes tried per unit class: (block_m, block_n, num_warps, num_stages, programs_per_sm);
+# each wide shape also in Triton where the Gluon kernel (`hopper`) applies
 SWEEP_NARROW = [(16, 64, 2, 2, 4), (16, 64, 2, 3, 4), (16, 128, 2, 2, 4), (16, 32, 2, 2, 4),
                 (16, 64, 4, 2, 4), (16, 64, 1, 2, 4), (16, 64, 2, 2, 2), (16, 64, 2, 2, 8)]
 SWEEP_WIDE = [(128, 64, 4, 2, 4), (128, 64, 4, 3, 4), (128, 64, 4, 2, 2), (64, 64, 4, 3, 4),
@@ -44,15 +45,18 @@ def sweep(dtype: str, device: torch.device) -> list[dict[str, Any]]:
         narrow, wide = (TritonKernels.launch_config(x, c) for c in ("narrow", "wide"))
         res: dict[str, Any] = {"label": w.label, "grid": w.grid, "schedule": cls.name, "configs": [],
                                "split_us": _split_times(default, row, device)}
-        tries = ([(c, 0) for c in SWEEP_NARROW] if vary in ("narrow", "both") else []) + (
-            [(c, 1) for c in SWEEP_WIDE] if vary in ("wide", "both") else [])
-        for c, which in tries:
-            cfgs = (KernelConfig(*c), wide) if which == 0 else (narrow, KernelConfig(*c))
+        wides = [(c, 1, h) for c in SWEEP_WIDE for h in ((True, False) if c[0] == 128 else (True,))]
+        tries = ([(c, 0, True) for c in SWEEP_NARROW] if vary in ("narrow", "both") else []) + (
+            wides if vary in ("wide", "both") else [])
+        for c, which, hopper in tries:
+            cfg = KernelConfig(*c, hopper=hopper)
+            cfgs = (cfg, wide) if which == 0 else (narrow, cfg)
             try:
                 be = cls(row.shape, kernels=TritonKernels(row.shape, configs=cfgs))
                 be.plan(row.batch)
                 t = timed(functools.partial(be.run, row.q, row.k, row.v, row.k_cache, row.v_cache), device)
-                res["configs"].append({"class": ("narrow", "wide")[which], "config": c, "us": 1e6 * t})
+                res["configs"].append({"class": ("narrow", "wide")[which], "config": c,
+                                       "hopper": hopper, "us": 1e6 * t})
             except Exception as e:  # any failure (out of shared memory, ...) is recorded
                 res["configs"].append({"class": ("narrow", "wide")[which], "config": c,
                                        "error": str(e)[:160]})

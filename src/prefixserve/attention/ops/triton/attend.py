@@ -292,6 +292,11 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         DOT_FP32=q.device.type == "cpu" and q.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if q.device.type == "cuda":
+        from . import hopper  # imports Gluon: on the GPU only
+        if cfg.hopper and hopper.applies(q, k_cache, cfg.block_m, causal, window, slots is not None):
+            hopper.launch(q, k_cache, v_cache, units, count, kv_chunk, kv_lo, kv_hi, scale, o,
+                          lse, programs)
+            return
         programs = min(programs, resident_programs(args, meta, q.device))
     _attend_kernel[(programs,)](*args, **meta)
 

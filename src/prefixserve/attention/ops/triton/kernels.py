@@ -27,7 +27,7 @@ from .merge import merge_rows
 from .store import store_kv
 from .worklist import NARROW_ROWS, KernelConfig, build_worklist, choose_configs
 
-_SHAPE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "programs_per_sm")
+_SHAPE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "programs_per_sm", "hopper")
 
 
 class TritonKernels:
@@ -113,7 +113,8 @@ class TritonKernels:
 
     @staticmethod
     def launch_config(extra: DeviceExtras, cls: str) -> KernelConfig:
-        return KernelConfig(*(_int(extra, f"{cls}_{k}") for k in _SHAPE_KEYS))
+        m, n, warps, stages, per_sm, hopper = (_int(extra, f"{cls}_{k}") for k in _SHAPE_KEYS)
+        return KernelConfig(m, n, warps, stages, per_sm, bool(hopper))
 
     @classmethod
     def launches(cls, x: DeviceExtras) -> tuple[Launch, Launch]:

@@ -68,6 +68,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 4  # grid-size target of the split heuristic
+    hopper: bool = True  # the Gluon kernel where it applies (`hopper.applies`: sm_90 wide launches)
 
 
 NARROW_ROWS = 16  # items with q_len * G <= this run in the narrow launch (decode tails)

@@ -1,0 +1,305 @@
+"""The wide attend launch on Hopper (sm_90), in Gluon: TMA loads, wgmma, warp specialization.
+
+The same function as `attend._attend_kernel` over the wide units of a decode step (twin:
+`ops.reference.attend_items`), for the shape that dominates shared-prefix decoding: 128-row
+units (R query rows x G heads) against a long run of 16-bit K/V chunks. Triton 3.6 cannot
+express this structure on Hopper (issue 5); Gluon can. One persistent CTA per SM, three
+partitions over the same sequence of work items (unit u, KV head h), p, p + P, ...:
+
+    load      1 warp    TMA: each K and V tile [BLOCK_N, D] of the unit's entries into a
+                        STAGES-deep ring (k_ready / v_ready: one mbarrier each per stage)
+    rows 0-63  4 warps  (the default partition) and
+    rows 64-127 4 warps one warpgroup each: Q tile [64, D] in shared memory, S = Q K^T
+                        (wgmma, async), mask, online softmax in base 2, O += P V (P from
+                        registers), then release the stage (empty: 2 arrivals);
+                        software-pipelined as FlashAttention-3 within a warpgroup: the
+                        scores and softmax of tile j + 1 run while tile j's P V does
+
+The two row warpgroups share every K/V tile but never wait for each other: while one runs
+its softmax the other's products keep the tensor cores busy (FlashAttention-3's ping-pong,
+left to the warp schedulers). A warpgroup whose rows are all padding (a unit of <= 64 rows)
+only waits for its stages and releases them.
+
+Tiles: the cache is viewed as [chunks * C, Hkv * D]; tile j of entry e is rows
+kv_chunk[e] * C + (j % TPE) * BLOCK_N, + BLOCK_N (TPE = C // BLOCK_N tiles per entry, so a
+tile never leaves its chunk), columns h * D, + D. A slot outside the entry's [lo, hi) scores
+-inf (a where, not an add: a stale NaN or inf in a slot cannot leak into a score), and such
+slots' V rows are zeroed in shared memory before the product (0 * inf would be NaN) -- only
+in tiles that hold such slots.
+
+Taken only where it applies (`applies`): CUDA compute capability 9.x, fp16 / bf16 cache and
+queries, D 64 or 128 (at 256 the pipelined loop spills), C a power of two >= BLOCK_N, no
+position mask (decode: every row sees every key of its units), no sliding window, no stored
+new key, 128-row wide units.
+Elsewhere `attend` runs the Triton kernel. Gluon does not run in Triton's interpreter: this
+kernel is tested on the GPU against the twin (tests/attention/test_hopper.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK_M = 128  # rows of a unit: two warpgroups of 64
+BLOCK_N = 64  # keys per K/V tile (128-key tiles of two chunks, 2 stages: 0.83-0.87x the speed)
+STAGES = 3  # K/V ring depth: 3 x 32 KiB + Q 32 KiB at D 128
+
+
+def applies(q: torch.Tensor, k_cache: torch.Tensor, block_m: int, causal: bool,
+            window: int | None, stores: bool) -> bool:
+    """Whether `launch` can run this wide launch (see the module docstring)."""
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    d, chunk = q.shape[-1], k_cache.shape[1]
+    return (q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype
+            and d in (64, 128) and chunk >= 64 and chunk & (chunk - 1) == 0 and block_m == BLOCK_M
+            and not causal and window is None and not stores)
+
+
+@gluon.jit
+def _load_partition(units, unit_count, kv_chunk, k_desc, v_desc, k_bufs, v_bufs, k_ready,
+                    v_ready, empty, chunk_size, HKV: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    BLOCK_N: gl.constexpr, TPE: gl.constexpr):
+    """Producer: the K and V tiles of every work item of this program, in walk order."""
+    stages: gl.constexpr = k_bufs.type.shape[0]
+    num_work = gl.load(unit_count) * HKV
+    it = 0  # tiles issued so far (all work items): stage it % stages, lap it // stages
+    for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        u = w // HKV
+        col = (w % HKV) * HEAD_DIM
+        e0 = gl.load(units + u * 6 + 2)
+        e1 = gl.load(units + u * 6 + 3)
+        for j in range(0, (e1 - e0) * TPE):
+            s = it % stages
+            row = gl.load(kv_chunk + e0 + j // TPE) * chunk_size + (j % TPE) * BLOCK_N
+            mbarrier.wait(empty.index(s), ((it // stages) & 1) ^ 1)  # lap 0 passes
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(s), k_bufs.index(s))
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(s), v_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _bounds(kv_lo, kv_hi, e0, j, BLOCK_N: gl.constexpr, TPE: gl.constexpr):
+    """The unit's tile j's key slots [lo, hi), in the tile's own slot numbers."""
+    e = e0 + j // TPE
+    first = (j % TPE) * BLOCK_N
+    return gl.load(kv_lo + e) - first, gl.load(kv_hi + e) - first
+
+
+@gluon.jit
+def _rows_partition(q, units, unit_count, kv_lo, kv_hi, o, lse, q_smem, k_bufs, v_bufs,
+                    k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_lt, scale_log2, WG: gl.constexpr, HKV: gl.constexpr,
+                    G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                    TPE: gl.constexpr, WRITE_LSE: gl.constexpr):
+    """Consumer: rows [64 WG, 64 WG + 64) of every work item's tile, one warpgroup."""
+    stages: gl.constexpr = k_bufs.type.shape[0]
+    ROWS: gl.constexpr = 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte rows
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
+    m_io = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
+    m_o = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    n_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
+    dtype: gl.constexpr = q.dtype.element_ty
+
+    num_work = gl.load(unit_count) * HKV
+    it = 0
+    for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        u = w // HKV
+        h = w % HKV
+        q_start = gl.load(units + u * 6)
+        q_len = gl.load(units + u * 6 + 1)
+        e0 = gl.load(units + u * 6 + 2)
+        e1 = gl.load(units + u * 6 + 3)
+        out = gl.load(units + u * 6 + 4)
+        num_tiles = (e1 - e0) * TPE
+        if WG * ROWS < q_len * G:
+            # Q rows: row m = (query row q_start + m // G, head h * G + m % G); padding rows 0
+            row_ok = m_io // G < q_len
+            q_ptr = (q + (q_start + m_io // G).to(gl.int64)[:, None] * stride_qt
+                     + (h * G + m_io % G)[:, None] * stride_qh + cols[None, :])
+            qt = gl.load(q_ptr, mask=row_ok[:, None], other=0.0)
+            gl.thread_barrier()  # the last work item's products are done with q_smem
+            q_smem.store(qt)
+            fence_async_shared()
+            gl.thread_barrier()
+
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+            # software pipeline (FlashAttention-3's intra-warpgroup overlap): the softmax of
+            # tile j + 1 runs while the tensor cores multiply tile j's P V
+            alpha = gl.full([ROWS], 1.0, gl.float32, gl.SliceLayout(1, s_layout))
+            pv = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
+            lo, hi = _bounds(kv_lo, kv_hi, e0, 0, BLOCK_N, TPE)
+            if num_tiles > 0:
+                sc = _scores(q_smem, k_bufs, k_ready, it, ROWS, BLOCK_N, s_layout)
+                pv, alpha, m_i, l_i = _softmax(sc, (n >= lo) & (n < hi), m_i, l_i, scale_log2,
+                                               p_layout, dtype)
+            for j in range(0, num_tiles - 1):
+                s = it % stages
+                # the next tile's bounds: loaded before the waits, so their latency hides
+                n_lo, n_hi = _bounds(kv_lo, kv_hi, e0, j + 1, BLOCK_N, TPE)
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                nxt = _issue_scores(q_smem, k_bufs, k_ready, it + 1, ROWS, BLOCK_N, s_layout)
+                v_buf = _ready_v(v_bufs, v_ready, it, n_v, lo, hi, io_layout)
+                tok = warpgroup_mma(pv, v_buf, acc, is_async=True)
+                sc, _, _ = warpgroup_mma_wait(1, deps=[nxt, q_smem, k_bufs.index((it + 1) % stages)])
+                pv_next, alpha, m_i, l_i = _softmax(sc, (n >= n_lo) & (n < n_hi), m_i, l_i,
+                                                    scale_log2, p_layout, dtype)
+                acc, _, _ = warpgroup_mma_wait(0, deps=[tok, v_buf, pv])
+                pv = pv_next
+                lo, hi = n_lo, n_hi
+                gl.thread_barrier()  # every warp's products read stage s: release it
+                mbarrier.arrive(empty.index(s), count=1)
+                it += 1
+            if num_tiles > 0:  # the last tile: nothing left to overlap
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                v_buf = _ready_v(v_bufs, v_ready, it, n_v, lo, hi, io_layout)
+                tok = warpgroup_mma(pv, v_buf, acc, is_async=True)
+                acc, _, _ = warpgroup_mma_wait(0, deps=[tok, v_buf, pv])
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index(it % stages), count=1)
+                it += 1
+
+            seen = l_i > 0.0
+            inv = gl.convert_layout(1.0 / gl.where(seen, l_i, 1.0), gl.SliceLayout(1, o_layout))
+            o_tile = gl.convert_layout((acc * inv[:, None]).to(o.dtype.element_ty), io_layout)
+            o_ptr = (o + (out + m_io // G).to(gl.int64)[:, None] * stride_ot
+                     + (h * G + m_io % G)[:, None] * stride_oh + cols[None, :])
+            gl.store(o_ptr, o_tile, mask=row_ok[:, None])
+            if WRITE_LSE:
+                ln_l = (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453  # x ln 2
+                lse_row = gl.convert_layout(gl.where(seen, ln_l, float("-inf")),
+                                            gl.SliceLayout(1, o_layout))
+                gl.store(lse + (out + m_o // G).to(gl.int64) * stride_lt + h * G + m_o % G,
+                         lse_row, mask=m_o // G < q_len)
+        else:  # every row is padding: only keep the ring turning
+            for _ in range(0, num_tiles):
+                s = it % stages
+                lap = (it // stages) & 1
+                mbarrier.wait(k_ready.index(s), lap)
+                mbarrier.wait(v_ready.index(s), lap)
+                mbarrier.arrive(empty.index(s), count=1)
+                it += 1
+
+
+@gluon.jit
+def _issue_scores(q_smem, k_bufs, k_ready, it, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                  s_layout: gl.constexpr):
+    """Wait for tile `it`'s K and start S = Q K^T [ROWS, BLOCK_N] (async: a token)."""
+    stages: gl.constexpr = k_bufs.type.shape[0]
+    mbarrier.wait(k_ready.index(it % stages), (it // stages) & 1)
+    return warpgroup_mma(q_smem, k_bufs.index(it % stages).permute((1, 0)),
+                         gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                         is_async=True)
+
+
+@gluon.jit
+def _scores(q_smem, k_bufs, k_ready, it, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+            s_layout: gl.constexpr):
+    """S = Q K^T of tile `it`, waited for."""
+    stages: gl.constexpr = k_bufs.type.shape[0]
+    tok = _issue_scores(q_smem, k_bufs, k_ready, it, ROWS, BLOCK_N, s_layout)
+    sc, _, _ = warpgroup_mma_wait(0, deps=[tok, q_smem, k_bufs.index(it % stages)])
+    return sc
+
+
+@gluon.jit
+def _softmax(sc, ok, m_i, l_i, scale_log2, p_layout: gl.constexpr, dtype: gl.constexpr):
+    """Online-softmax step of one tile (scores sc [ROWS, BLOCK_N], unscaled; ok [BLOCK_N]:
+    its keys; others score -inf). Returns (P in the 16-bit dtype as the P V product's
+    register operand, alpha: the rescale of the running output, m_i, l_i)."""
+    sc = gl.where(ok[None, :], sc, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(sc, 1) * scale_log2)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp2 finite
+    p = gl.exp2(sc * scale_log2 - m_safe[:, None])
+    alpha = gl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return gl.convert_layout(p.to(dtype), p_layout), alpha, m_new, l_i
+
+
+@gluon.jit
+def _ready_v(v_bufs, v_ready, it, n_v, lo, hi, io_layout: gl.constexpr):
+    """Tile `it`'s V buffer, once loaded, with its rows outside the keys' slots [lo, hi) set
+    to 0 if it has such rows (0 * a stale inf would be NaN; both row warpgroups may write
+    the same zeros)."""
+    stages: gl.constexpr = v_bufs.type.shape[0]
+    BLOCK_N: gl.constexpr = v_bufs.type.shape[1]
+    v_buf = v_bufs.index(it % stages)
+    mbarrier.wait(v_ready.index(it % stages), (it // stages) & 1)
+    if (lo > 0) | (hi < BLOCK_N):
+        vt = v_buf.load(io_layout)
+        gl.thread_barrier()
+        v_buf.store(gl.where(((n_v >= lo) & (n_v < hi))[:, None], vt, 0.0))
+        fence_async_shared()
+        gl.thread_barrier()
+    return v_buf
+
+
+@gluon.jit
+def _wide_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o, lse,
+                 stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, scale_log2, chunk_size,
+                 HKV: gl.constexpr, G: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 BLOCK_N: gl.constexpr, TPE: gl.constexpr, STAGES: gl.constexpr,
+                 WRITE_LSE: gl.constexpr):
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], q.dtype.element_ty)
+    q_smem = gl.allocate_shared_memory(q.dtype.element_ty, [2, 64, HEAD_DIM], q_layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per row warpgroup
+    gl.warp_specialize([
+        (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, q_smem.index(0), k_bufs,
+                           v_bufs, k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot,
+                           stride_oh, stride_lt, scale_log2, 0, HKV, G, HEAD_DIM, BLOCK_N, TPE,
+                           WRITE_LSE)),
+        (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, q_smem.index(1), k_bufs,
+                           v_bufs, k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot,
+                           stride_oh, stride_lt, scale_log2, 1, HKV, G, HEAD_DIM, BLOCK_N, TPE,
+                           WRITE_LSE)),
+        (_load_partition, (units, unit_count, kv_chunk, k_desc, v_desc, k_bufs, v_bufs, k_ready,
+                           v_ready, empty, chunk_size, HKV, HEAD_DIM, BLOCK_N, TPE)),
+    ], [4, 1], [240, 24])
+
+
+def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
+           count: torch.Tensor, kv_chunk: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
+           scale: float, o: torch.Tensor, lse: torch.Tensor | None, programs: int) -> None:
+    """`attend.launch_units` for a launch that `applies`: the first count[0] units on a
+    persistent grid of min(programs, SMs) CTAs."""
+    n_chunks, chunk_size, hkv, d = k_cache.shape
+    g = q.shape[1] // hkv
+    dtype = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], dtype)
+    k_desc, v_desc = (TensorDescriptor(c, [n_chunks * chunk_size, hkv * d], [hkv * d, 1],
+                                       [BLOCK_N, d], layout) for c in (k_cache, v_cache))
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    _wide_kernel[(min(programs, sms),)](
+        q, units, count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o, o if lse is None else lse,
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1), 0 if lse is None else lse.stride(0),
+        scale * 1.4426950408889634, chunk_size, HKV=hkv, G=g, HEAD_DIM=d, BLOCK_N=BLOCK_N,
+        TPE=chunk_size // BLOCK_N, STAGES=STAGES, WRITE_LSE=lse is not None, num_warps=4,
+        maxnreg=168)

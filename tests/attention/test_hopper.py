@@ -1,0 +1,104 @@
+"""The Gluon wide launch (`ops.triton.hopper`, sm_90 only) against its twin,
+`ops.reference.attend_items`, and against the Triton kernel it replaces.
+
+Gluon does not run in Triton's interpreter, so these tests run only on a Hopper GPU
+(PREFIXSERVE_TRITON_TEST_DEVICE=cuda on the lent H100 / H200); CI runs the twin's and the
+Triton kernel's tests. Tolerances as in test_triton_ops (16-bit P on the tensor cores).
+
+The problems are decode steps over shared items with many rows (units of 128 rows: R query
+rows x G heads), whose entries start and end inside chunks, with NaN in every slot no entry
+covers: a slot outside [lo, hi) must reach neither a score nor the output.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+DEVICE = torch.device(os.environ.get("PREFIXSERVE_TRITON_TEST_DEVICE", "cpu"))
+if DEVICE.type != "cuda" or torch.cuda.get_device_capability(DEVICE)[0] != 9:
+    pytest.skip("the Gluon kernel runs on a Hopper GPU only (PREFIXSERVE_TRITON_TEST_DEVICE=cuda)",
+                allow_module_level=True)
+
+from prefixserve.attention.ops import reference  # noqa: E402
+from prefixserve.attention.ops import triton as tops  # noqa: E402
+from prefixserve.attention.ops.triton import hopper  # noqa: E402
+from prefixserve.attention.ops.triton.worklist import KernelConfig  # noqa: E402
+
+U = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+NARROW = KernelConfig(16, 64, num_warps=2)
+
+
+def shared_items(seed: int, dtype: torch.dtype, hkv: int, g: int, d: int, chunk: int,
+                 items: list[tuple[int, int, int, int]]):
+    """attend_items' arguments for `items` of (query rows, first slot, keys, chunks skipped):
+    each item's keys are its own run of chunks from slot `first` of the first one; the
+    chunk ids are shuffled; every slot no item covers holds NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    spans = [-(-(first + keys) // chunk) for _, first, keys, _ in items]
+    n = sum(spans) + sum(skip for *_, skip in items) + 1
+    k_cache = torch.full((n, chunk, hkv, d), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    perm = torch.randperm(n, generator=gen)
+    rows = sum(r for r, *_ in items)
+    q = torch.randn(rows, hkv * g, d, generator=gen).to(dtype)
+    q_start, kv_chunk, kv_lo, kv_hi, kv_pos, indptr = [], [], [], [], [], [0]
+    at, row = 0, 0
+    for (r, first, keys, skip), span in zip(items, spans, strict=True):
+        at += skip
+        q_start.append(row)
+        row += r
+        pos = 0
+        for c in range(span):
+            lo, hi = (first if c == 0 else 0), min(chunk, first + keys - c * chunk)
+            cid = int(perm[at + c])
+            for cache in (k_cache, v_cache):
+                cache[cid, lo:hi] = torch.randn(hi - lo, hkv, d, generator=gen).to(dtype)
+            kv_chunk.append(cid)
+            kv_lo.append(lo)
+            kv_hi.append(hi)
+            kv_pos.append(pos)
+            pos += hi - lo
+        at += span
+        indptr.append(len(kv_chunk))
+    q_len = [r for r, *_ in items]
+    q_pos = torch.full((rows,), 1 << 20, dtype=torch.int32)  # decode: after every key
+
+    def i32(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int32)
+
+    return (q, k_cache, v_cache, q_pos, i32(q_start), i32(q_len), i32(q_start), i32(indptr),
+            i32(kv_chunk), i32(kv_lo), i32(kv_hi), i32(kv_pos)), rows
+
+
+CASES = [  # (dtype, Hkv, G, D, chunk, items)
+    (torch.float16, 2, 4, 128, 64, [(100, 5, 1000, 0), (40, 0, 64 * 7, 2), (3, 60, 10, 1)]),
+    (torch.bfloat16, 1, 8, 128, 64, [(64, 0, 4096, 0), (17, 33, 700, 3)]),
+    (torch.float16, 4, 2, 64, 128, [(96, 100, 1500, 0), (64, 0, 129, 1)]),
+    (torch.bfloat16, 2, 1, 128, 64, [(300, 1, 333, 0)]),
+]
+
+
+@pytest.mark.parametrize("dtype,hkv,g,d,chunk,items", CASES)
+@pytest.mark.parametrize("sms", [None, 3], ids=["whole-items", "split-k"])
+def test_gluon_wide_launch_matches_twin(dtype, hkv, g, d, chunk, items, sms):
+    args, rows = shared_items(len(items) + d, dtype, hkv, g, d, chunk, items)
+    dev = [x.to(DEVICE) for x in args]
+    assert hopper.applies(dev[0], dev[1], 128, False, None, False)
+    o_ref, lse_ref = reference.attend_items(*args, 1.0 / d**0.5, rows)
+    vmax = args[2].nan_to_num(0).abs().max().float()
+    results = []
+    for use in (True, False):  # the Gluon kernel, then the Triton kernel it replaces
+        wide = KernelConfig(128, 64, num_stages=2, programs_per_sm=2, hopper=use)
+        o, lse = (x.cpu() for x in tops.attend_items(*dev, 1.0 / d**0.5, rows, sms=sms,
+                                                     configs=(NARROW, wide)))
+        assert not o.isnan().any() and not lse.isnan().any()
+        assert (o - o_ref).abs().max() <= (1e-5 + 2 * U[dtype]) * vmax
+        assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+        fin = torch.isfinite(lse_ref)
+        assert ((lse - lse_ref)[fin].abs() <= 2e-4 * (1 + lse_ref[fin].abs())).all()
+        results.append(o)
+    # the two kernels: the same products and softmax, up to the order of fp32 sums
+    assert (results[0] - results[1]).abs().max() <= 2 * U[dtype] * vmax
