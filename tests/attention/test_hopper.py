@@ -102,3 +102,34 @@ def test_gluon_wide_launch_matches_twin(dtype, hkv, g, d, chunk, items, sms):
         results.append(o)
     # the two kernels: the same products and softmax, up to the order of fp32 sums
     assert (results[0] - results[1]).abs().max() <= 2 * U[dtype] * vmax
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_step_with_gluon_wide_units(dtype):
+    """A decode step whose shared prefix makes 128-row wide units: relay and hydragen run
+    them in the Gluon kernel, beside the narrow units (Triton) that write the new keys;
+    paged (narrow units only) runs Triton alone. The three agree, and the cache holds the
+    new keys after each."""
+    from prefixserve.attention.backends.hydragen import HydragenBackend
+    from prefixserve.attention.backends.paged import PagedBackend
+    from prefixserve.attention.backends.relay import RelayBackend
+    from prefixserve.bench.kernels.rows import Workload, build
+
+    name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    row = build(Workload("test", 96, 16, 4, 128, 700, (512,), 64, name, groups=4), DEVICE)
+    outs = {}
+    for cls in (PagedBackend, RelayBackend, HydragenBackend):
+        be = cls(row.shape, kernels=tops.TritonKernels(row.shape))
+        be.plan(row.batch)
+        x = be.current.extra
+        if cls is not PagedBackend:  # Gluon applies: 128-row wide units, stores folded
+            assert x["stores"] and x["wide_block_m"] == 128 and x["narrow_programs"] > 0
+        k_cache, v_cache = row.k_cache.clone(), row.v_cache.clone()
+        outs[cls.name] = be.run(row.q, row.k, row.v, k_cache, v_cache).float()
+        slots = row.batch.slots.to(DEVICE)
+        assert torch.equal(k_cache.view(-1, *k_cache.shape[2:])[slots], row.k)
+        assert torch.equal(v_cache.view(-1, *v_cache.shape[2:])[slots], row.v)
+    vmax = row.v_cache.abs().max().float()
+    for name_, o in outs.items():
+        assert not o.isnan().any(), name_
+        assert (o - outs["paged"]).abs().max() <= 4 * U[dtype] * vmax, name_

@@ -52,6 +52,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 BLOCK_M = 128  # rows of a unit: two warpgroups of 64
 BLOCK_N = 64  # keys per K/V tile (128-key tiles of two chunks, 2 stages: 0.83-0.87x the speed)
 STAGES = 3  # K/V ring depth: 3 x 32 KiB + Q 32 KiB at D 128
+MAXNREG = 168  # x 384 threads: the register file (136: steps 3-20% slower, 120: up to 2.4x)
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, block_m: int, causal: bool,
@@ -302,4 +303,4 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), 0 if lse is None else lse.stride(0),
         scale * 1.4426950408889634, chunk_size, HKV=hkv, G=g, HEAD_DIM=d, BLOCK_N=BLOCK_N,
         TPE=chunk_size // BLOCK_N, STAGES=STAGES, WRITE_LSE=lse is not None, num_warps=4,
-        maxnreg=168)
+        maxnreg=MAXNREG)
