@@ -69,12 +69,14 @@ class CostModel:
         return GPU_COST_MODEL if torch.device(device).type == "cuda" else CPU_COST_MODEL
 
 
-# Fitted to `prefixserve bench kernels` on an H200 (benchmarks/results/kernels-nvidia-h200.json;
-# the Triton kernels; least squares on log time over 96 backend x row timings, the launch cost
-# held at the ~3 us an extra kernel adds to a CUDA graph): decode tails stream K/V at ~4.4 TB/s
-# (a read-mostly stream beats the 4.2 TB/s copy), shared items' products run at ~350 TFLOP/s,
-# an item costs ~0.3 us (its units' start-up, partials and merge inputs). With these, auto's
-# pick is the measured best on all 24 rows (relay == hydragen on one-level trees).
+# Fitted to `prefixserve bench kernels` on an H200 (run 9 in benchmarks/kernels-notes.md, the
+# Triton kernels; the Gluon wide launch, later, runs shared products ~13% faster and left auto's
+# pick the measured best on every Hydragen-grid row; least squares on log time over 96 backend x
+# row timings, the launch cost held at the ~3 us an extra kernel adds to a CUDA graph): decode
+# tails stream K/V at ~4.4 TB/s (a read-mostly stream beats the 4.2 TB/s copy), shared items'
+# products run at ~350 TFLOP/s, an item costs ~0.3 us (its units' start-up, partials and merge
+# inputs). With these, auto's pick is the measured best on all 24 rows (relay == hydragen on one-
+# level trees).
 GPU_COST_MODEL = CostModel(bandwidth=4.4e12, matrix_rate=3.5e14,
                            item_overhead_s=3.0e-7, launch_overhead_s=3.0e-6)
 # The PyTorch reference ops, one thread of a shared 2-core VM (measured: paged decode runs at
