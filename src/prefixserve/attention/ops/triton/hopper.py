@@ -98,134 +98,165 @@ def _bounds(kv_lo, kv_hi, e0, j, BLOCK_N: gl.constexpr, TPE: gl.constexpr):
     return gl.load(kv_lo + e) - first, gl.load(kv_hi + e) - first
 
 
+@gluon.constexpr_function
+def _mma_layout(n):
+    """The wgmma accumulator layout of a warpgroup's [64, n] tile."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+_IO_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # 16-byte row pieces
+
+
 @gluon.jit
 def _rows_partition(q, units, unit_count, kv_lo, kv_hi, o, lse, q_smem, k_bufs, v_bufs,
                     k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_lt, scale_log2, WG: gl.constexpr, HKV: gl.constexpr,
                     G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                     TPE: gl.constexpr, WRITE_LSE: gl.constexpr):
-    """Consumer: rows [64 WG, 64 WG + 64) of every work item's tile, one warpgroup."""
-    stages: gl.constexpr = k_bufs.type.shape[0]
-    ROWS: gl.constexpr = 64
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte rows
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
-    m_io = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
-    m_o = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-    n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    n_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
-    dtype: gl.constexpr = q.dtype.element_ty
-
+    """Consumer: rows [64 WG, 64 WG + 64) of every work item's tile, one warpgroup. Row m of
+    a unit's tile is (query row q_start + m // G, head h * G + m % G)."""
     num_work = gl.load(unit_count) * HKV
-    it = 0
+    it = 0  # tiles consumed so far, as the producer counts them
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         u = w // HKV
         h = w % HKV
         q_start = gl.load(units + u * 6)
         q_len = gl.load(units + u * 6 + 1)
         e0 = gl.load(units + u * 6 + 2)
-        e1 = gl.load(units + u * 6 + 3)
-        out = gl.load(units + u * 6 + 4)
-        num_tiles = (e1 - e0) * TPE
-        if WG * ROWS < q_len * G:
-            # Q rows: row m = (query row q_start + m // G, head h * G + m % G); padding rows 0
-            row_ok = m_io // G < q_len
-            q_ptr = (q + (q_start + m_io // G).to(gl.int64)[:, None] * stride_qt
-                     + (h * G + m_io % G)[:, None] * stride_qh + cols[None, :])
-            qt = gl.load(q_ptr, mask=row_ok[:, None], other=0.0)
-            gl.thread_barrier()  # the last work item's products are done with q_smem
-            q_smem.store(qt)
-            fence_async_shared()
-            gl.thread_barrier()
-
-            m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-            l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-            # software pipeline (FlashAttention-3's intra-warpgroup overlap): the softmax of
-            # tile j + 1 runs while the tensor cores multiply tile j's P V
-            alpha = gl.full([ROWS], 1.0, gl.float32, gl.SliceLayout(1, s_layout))
-            pv = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
-            lo, hi = _bounds(kv_lo, kv_hi, e0, 0, BLOCK_N, TPE)
-            if num_tiles > 0:
-                sc = _scores(q_smem, k_bufs, k_ready, it, ROWS, BLOCK_N, s_layout)
-                pv, alpha, m_i, l_i = _softmax(sc, (n >= lo) & (n < hi), m_i, l_i, scale_log2,
-                                               p_layout, dtype)
-            for j in range(0, num_tiles - 1):
-                s = it % stages
-                # the next tile's bounds: loaded before the waits, so their latency hides
-                n_lo, n_hi = _bounds(kv_lo, kv_hi, e0, j + 1, BLOCK_N, TPE)
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                nxt = _issue_scores(q_smem, k_bufs, k_ready, it + 1, ROWS, BLOCK_N, s_layout)
-                v_buf = _ready_v(v_bufs, v_ready, it, n_v, lo, hi, io_layout)
-                tok = warpgroup_mma(pv, v_buf, acc, is_async=True)
-                sc, _, _ = warpgroup_mma_wait(1, deps=[nxt, q_smem, k_bufs.index((it + 1) % stages)])
-                pv_next, alpha, m_i, l_i = _softmax(sc, (n >= n_lo) & (n < n_hi), m_i, l_i,
-                                                    scale_log2, p_layout, dtype)
-                acc, _, _ = warpgroup_mma_wait(0, deps=[tok, v_buf, pv])
-                pv = pv_next
-                lo, hi = n_lo, n_hi
-                gl.thread_barrier()  # every warp's products read stage s: release it
-                mbarrier.arrive(empty.index(s), count=1)
-                it += 1
-            if num_tiles > 0:  # the last tile: nothing left to overlap
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                v_buf = _ready_v(v_bufs, v_ready, it, n_v, lo, hi, io_layout)
-                tok = warpgroup_mma(pv, v_buf, acc, is_async=True)
-                acc, _, _ = warpgroup_mma_wait(0, deps=[tok, v_buf, pv])
-                gl.thread_barrier()
-                mbarrier.arrive(empty.index(it % stages), count=1)
-                it += 1
-
-            seen = l_i > 0.0
-            inv = gl.convert_layout(1.0 / gl.where(seen, l_i, 1.0), gl.SliceLayout(1, o_layout))
-            o_tile = gl.convert_layout((acc * inv[:, None]).to(o.dtype.element_ty), io_layout)
-            o_ptr = (o + (out + m_io // G).to(gl.int64)[:, None] * stride_ot
-                     + (h * G + m_io % G)[:, None] * stride_oh + cols[None, :])
-            gl.store(o_ptr, o_tile, mask=row_ok[:, None])
-            if WRITE_LSE:
-                ln_l = (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453  # x ln 2
-                lse_row = gl.convert_layout(gl.where(seen, ln_l, float("-inf")),
-                                            gl.SliceLayout(1, o_layout))
-                gl.store(lse + (out + m_o // G).to(gl.int64) * stride_lt + h * G + m_o % G,
-                         lse_row, mask=m_o // G < q_len)
+        num_tiles = (gl.load(units + u * 6 + 3) - e0) * TPE
+        m = WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _IO_LAYOUT))
+        if WG * 64 < q_len * G:
+            q_rows = (q + (q_start + m // G).to(gl.int64)[:, None] * stride_qt
+                      + (h * G + m % G)[:, None] * stride_qh)
+            _stage_q(q_rows, m // G < q_len, q_smem, HEAD_DIM)
+            acc, m_i, l_i = _walk(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, kv_lo, kv_hi,
+                                  e0, num_tiles, it, scale_log2, q.dtype.element_ty, HEAD_DIM,
+                                  BLOCK_N, TPE)
+            _write_rows(o, lse, acc, m_i, l_i, gl.load(units + u * 6 + 4), q_len, h, stride_ot,
+                        stride_oh, stride_lt, WG, G, HEAD_DIM, WRITE_LSE)
         else:  # every row is padding: only keep the ring turning
-            for _ in range(0, num_tiles):
-                s = it % stages
-                lap = (it // stages) & 1
-                mbarrier.wait(k_ready.index(s), lap)
-                mbarrier.wait(v_ready.index(s), lap)
-                mbarrier.arrive(empty.index(s), count=1)
-                it += 1
+            _skip(k_ready, v_ready, empty, it, num_tiles)
+        it += num_tiles
 
 
 @gluon.jit
-def _issue_scores(q_smem, k_bufs, k_ready, it, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                  s_layout: gl.constexpr):
-    """Wait for tile `it`'s K and start S = Q K^T [ROWS, BLOCK_N] (async: a token)."""
+def _stage_q(q_rows, row_ok, q_smem, HEAD_DIM: gl.constexpr):
+    """The Q tile [64, D] (pointers q_rows [64, 1] to each row's D values; padding rows 0)
+    into q_smem, for the products' A operand."""
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, _IO_LAYOUT))
+    qt = gl.load(q_rows + cols[None, :], mask=row_ok[:, None], other=0.0)
+    gl.thread_barrier()  # the last work item's products are done with q_smem
+    q_smem.store(qt)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _walk(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, kv_lo, kv_hi, e0, num_tiles, it,
+          scale_log2, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+          TPE: gl.constexpr):
+    """The unit's tiles it, it + 1, ... (num_tiles of them) into (acc [64, D] unnormalized,
+    m_i, l_i [64]: running max and sum, base 2), releasing each stage once read. Software-
+    pipelined as FlashAttention-3 within a warpgroup: the scores and softmax of tile j + 1 run
+    while tile j's P V is on the tensor cores."""
+    stages: gl.constexpr = k_bufs.type.shape[0]
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    n_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _IO_LAYOUT))
+    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    alpha = gl.full([64], 1.0, gl.float32, gl.SliceLayout(1, s_layout))
+    pv = gl.zeros([64, BLOCK_N], dtype, p_layout)
+    lo, hi = _bounds(kv_lo, kv_hi, e0, 0, BLOCK_N, TPE)
+    if num_tiles > 0:
+        sc = _scores(q_smem, k_bufs, k_ready, it, BLOCK_N, s_layout)
+        pv, alpha, m_i, l_i = _softmax(sc, (n >= lo) & (n < hi), m_i, l_i, scale_log2,
+                                       p_layout, dtype)
+    for j in range(0, num_tiles - 1):
+        s = (it + j) % stages
+        # the next tile's bounds: loaded before the waits, so that their latency hides
+        n_lo, n_hi = _bounds(kv_lo, kv_hi, e0, j + 1, BLOCK_N, TPE)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        nxt = _issue_scores(q_smem, k_bufs, k_ready, it + j + 1, BLOCK_N, s_layout)
+        v_buf = _ready_v(v_bufs, v_ready, it + j, n_v, lo, hi)
+        tok = warpgroup_mma(pv, v_buf, acc, is_async=True)
+        sc, _, _ = warpgroup_mma_wait(1, deps=[nxt, q_smem, k_bufs.index((s + 1) % stages)])
+        pv_next, alpha, m_i, l_i = _softmax(sc, (n >= n_lo) & (n < n_hi), m_i, l_i, scale_log2,
+                                            p_layout, dtype)
+        acc, _, _ = warpgroup_mma_wait(0, deps=[tok, v_buf, pv])
+        pv = pv_next
+        lo, hi = n_lo, n_hi
+        gl.thread_barrier()  # every warp's products read stage s: release it
+        mbarrier.arrive(empty.index(s), count=1)
+    if num_tiles > 0:  # the last tile: nothing left to overlap
+        last = it + num_tiles - 1
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        v_buf = _ready_v(v_bufs, v_ready, last, n_v, lo, hi)
+        tok = warpgroup_mma(pv, v_buf, acc, is_async=True)
+        acc, _, _ = warpgroup_mma_wait(0, deps=[tok, v_buf, pv])
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(last % stages), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _write_rows(o, lse, acc, m_i, l_i, out, q_len, h, stride_ot, stride_oh, stride_lt,
+                WG: gl.constexpr, G: gl.constexpr, HEAD_DIM: gl.constexpr,
+                WRITE_LSE: gl.constexpr):
+    """o = acc / l (and lse = ln 2 (m + log2 l)) at the unit's out rows; a row that saw no
+    key writes (0, -inf)."""
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    seen = l_i > 0.0
+    inv = gl.convert_layout(1.0 / gl.where(seen, l_i, 1.0), gl.SliceLayout(1, o_layout))
+    o_tile = gl.convert_layout((acc * inv[:, None]).to(o.dtype.element_ty), _IO_LAYOUT)
+    m = WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _IO_LAYOUT))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, _IO_LAYOUT))
+    o_ptr = (o + (out + m // G).to(gl.int64)[:, None] * stride_ot
+             + (h * G + m % G)[:, None] * stride_oh + cols[None, :])
+    gl.store(o_ptr, o_tile, mask=(m // G < q_len)[:, None])
+    if WRITE_LSE:
+        ln_l = (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453  # x ln 2
+        lse_row = gl.convert_layout(gl.where(seen, ln_l, float("-inf")), gl.SliceLayout(1, _IO_LAYOUT))
+        gl.store(lse + (out + m // G).to(gl.int64) * stride_lt + h * G + m % G, lse_row,
+                 mask=m // G < q_len)
+
+
+@gluon.jit
+def _skip(k_ready, v_ready, empty, it, num_tiles):
+    """Tiles it, it + 1, ... of a unit whose rows here are all padding: wait, release."""
+    stages: gl.constexpr = k_ready.type.shape[0]
+    for j in range(0, num_tiles):
+        s = (it + j) % stages
+        mbarrier.wait(k_ready.index(s), ((it + j) // stages) & 1)
+        mbarrier.wait(v_ready.index(s), ((it + j) // stages) & 1)
+        mbarrier.arrive(empty.index(s), count=1)
+
+
+@gluon.jit
+def _issue_scores(q_smem, k_bufs, k_ready, it, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """Wait for tile `it`'s K and start S = Q K^T [64, BLOCK_N] (async: a token)."""
     stages: gl.constexpr = k_bufs.type.shape[0]
     mbarrier.wait(k_ready.index(it % stages), (it // stages) & 1)
     return warpgroup_mma(q_smem, k_bufs.index(it % stages).permute((1, 0)),
-                         gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                         gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False,
                          is_async=True)
 
 
 @gluon.jit
-def _scores(q_smem, k_bufs, k_ready, it, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-            s_layout: gl.constexpr):
+def _scores(q_smem, k_bufs, k_ready, it, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """S = Q K^T of tile `it`, waited for."""
     stages: gl.constexpr = k_bufs.type.shape[0]
-    tok = _issue_scores(q_smem, k_bufs, k_ready, it, ROWS, BLOCK_N, s_layout)
+    tok = _issue_scores(q_smem, k_bufs, k_ready, it, BLOCK_N, s_layout)
     sc, _, _ = warpgroup_mma_wait(0, deps=[tok, q_smem, k_bufs.index(it % stages)])
     return sc
 
 
 @gluon.jit
 def _softmax(sc, ok, m_i, l_i, scale_log2, p_layout: gl.constexpr, dtype: gl.constexpr):
-    """Online-softmax step of one tile (scores sc [ROWS, BLOCK_N], unscaled; ok [BLOCK_N]:
+    """Online-softmax step of one tile (scores sc [64, BLOCK_N], unscaled; ok [BLOCK_N]:
     its keys; others score -inf). Returns (P in the 16-bit dtype as the P V product's
     register operand, alpha: the rescale of the running output, m_i, l_i)."""
     sc = gl.where(ok[None, :], sc, float("-inf"))
@@ -238,7 +269,7 @@ def _softmax(sc, ok, m_i, l_i, scale_log2, p_layout: gl.constexpr, dtype: gl.con
 
 
 @gluon.jit
-def _ready_v(v_bufs, v_ready, it, n_v, lo, hi, io_layout: gl.constexpr):
+def _ready_v(v_bufs, v_ready, it, n_v, lo, hi):
     """Tile `it`'s V buffer, once loaded, with its rows outside the keys' slots [lo, hi) set
     to 0 if it has such rows (0 * a stale inf would be NaN; both row warpgroups may write
     the same zeros)."""
@@ -247,7 +278,7 @@ def _ready_v(v_bufs, v_ready, it, n_v, lo, hi, io_layout: gl.constexpr):
     v_buf = v_bufs.index(it % stages)
     mbarrier.wait(v_ready.index(it % stages), (it // stages) & 1)
     if (lo > 0) | (hi < BLOCK_N):
-        vt = v_buf.load(io_layout)
+        vt = v_buf.load(_IO_LAYOUT)
         gl.thread_barrier()
         v_buf.store(gl.where(((n_v >= lo) & (n_v < hi))[:, None], vt, 0.0))
         fence_async_shared()
