@@ -24,7 +24,11 @@ if DEVICE.type != "cuda" or torch.cuda.get_device_capability(DEVICE)[0] != 9:
 
 from prefixserve.attention.ops import reference  # noqa: E402
 from prefixserve.attention.ops import triton as tops  # noqa: E402
-from prefixserve.attention.ops.triton import hopper  # noqa: E402
+from prefixserve.attention.ops.triton.attend import GLUON_TRITON, hopper_module  # noqa: E402
+
+hopper = hopper_module()
+if hopper is None:
+    pytest.skip(f"the Gluon kernel is tested on Triton {GLUON_TRITON} only", allow_module_level=True)
 from prefixserve.attention.ops.triton.worklist import KernelConfig  # noqa: E402
 
 U = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}

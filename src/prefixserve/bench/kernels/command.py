@@ -107,8 +107,11 @@ def workloads(args) -> list[Workload]:
 
 def wide_kernel(device: torch.device) -> str:
     """Which kernel runs the 128-row wide launches of 16-bit decode steps here."""
-    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-    return "gluon (ops.triton.hopper)" if hopper else "triton (ops.triton.attend)"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
+        from ...attention.ops.triton.attend import hopper_module
+        if hopper_module() is not None:
+            return "gluon (ops.triton.hopper)"
+    return "triton (ops.triton.attend)"
 
 
 def device_slug(device: torch.device) -> tuple[str, str]:

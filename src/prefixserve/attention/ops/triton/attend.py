@@ -35,6 +35,9 @@ output (powers of two: exact). A stored new key is quantized as the store launch
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
+from types import ModuleType
 
 import numpy as np
 import numpy.typing as npt
@@ -48,6 +51,22 @@ from .store import K_INV_ROW, K_SCALE_ROW, V_INV_ROW, V_SCALE_ROW, fp8_query, qu
 from .worklist import KernelConfig, build_worklist, choose_configs, next_pow2
 
 _LOG2E = 1.4426950408889634
+GLUON_TRITON = (3, 6)  # the Triton whose Gluon (an experimental API) the Hopper kernel is tested on
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def hopper_module() -> ModuleType | None:
+    """`ops.triton.hopper`, the Gluon wide launch for sm_90, where this Triton is the one it
+    was written and tested against; None elsewhere (the Triton kernel runs every launch).
+    Imported on first use: it loads Gluon, which only a GPU run needs."""
+    version = tuple(int(x) for x in triton.__version__.split(".")[:2])
+    if version != GLUON_TRITON:
+        log.info("triton %s: the Gluon wide launch is tested on %d.%d only; using the Triton "
+                 "kernel for every launch", triton.__version__, *GLUON_TRITON)
+        return None
+    from . import hopper
+    return hopper
 
 
 @triton.jit
@@ -292,8 +311,8 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         DOT_FP32=q.device.type == "cpu" and q.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if q.device.type == "cuda":
-        from . import hopper  # imports Gluon: on the GPU only
-        if cfg.hopper and hopper.applies(q, k_cache, cfg.block_m, causal, window, slots is not None):
+        hopper = hopper_module() if cfg.hopper else None
+        if hopper and hopper.applies(q, k_cache, cfg.block_m, causal, window, slots is not None):
             hopper.launch(q, k_cache, v_cache, units, count, kv_chunk, kv_lo, kv_hi, scale, o,
                           lse, programs)
             return

@@ -27,7 +27,8 @@ tile never leaves its chunk), columns h * D, + D. A slot outside the entry's [lo
 slots' V rows are zeroed in shared memory before the product (0 * inf would be NaN) -- only
 in tiles that hold such slots.
 
-Taken only where it applies (`applies`): CUDA compute capability 9.x, fp16 / bf16 cache and
+Taken only where it applies (`applies`), on the Triton it is tested on
+(`attend.hopper_module`): CUDA compute capability 9.x, fp16 / bf16 cache and
 queries, D 64 or 128 (at 256 the pipelined loop spills), C a power of two >= BLOCK_N, no
 position mask (decode: every row sees every key of its units), no sliding window, no stored
 new key, 128-row wide units.
