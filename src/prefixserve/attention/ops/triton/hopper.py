@@ -13,12 +13,14 @@ partitions over the same sequence of work items (unit u, KV head h), p, p + P, .
                         (wgmma, async), mask, online softmax in base 2, O += P V (P from
                         registers), then release the stage (empty: 2 arrivals);
                         software-pipelined as FlashAttention-3 within a warpgroup: the
-                        scores and softmax of tile j + 1 run while tile j's P V does
+                        scores and softmax of tile j + 1 run while tile j's P V is on the
+                        tensor cores
 
 The two row warpgroups share every K/V tile but never wait for each other: while one runs
 its softmax the other's products keep the tensor cores busy (FlashAttention-3's ping-pong,
-left to the warp schedulers). A warpgroup whose rows are all padding (a unit of <= 64 rows)
-only waits for its stages and releases them.
+left to the warp schedulers: issuing in strict turns measured 0-2% slower). A warpgroup whose
+rows are all padding (a unit of <= 64 rows) only waits for its stages and releases them.
+Measurements and what was tried: benchmarks/kernels-notes.md, issue 25 part two.
 
 Tiles: the cache is viewed as [chunks * C, Hkv * D]; tile j of entry e is rows
 kv_chunk[e] * C + (j % TPE) * BLOCK_N, + BLOCK_N (TPE = C // BLOCK_N tiles per entry, so a
@@ -31,7 +33,7 @@ Taken only where it applies (`applies`), on the Triton it is tested on
 (`attend.hopper_module`): CUDA compute capability 9.x, fp16 / bf16 cache and
 queries, D 64 or 128 (at 256 the pipelined loop spills), C a power of two >= BLOCK_N, no
 position mask (decode: every row sees every key of its units), no sliding window, no stored
-new key, 128-row wide units.
+new key (wide units store one only when G > 16), 128-row wide units.
 Elsewhere `attend` runs the Triton kernel. Gluon does not run in Triton's interpreter: this
 kernel is tested on the GPU against the twin (tests/attention/test_hopper.py).
 """
@@ -171,8 +173,10 @@ def _walk(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, kv_lo, kv_hi, e0, num
     acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
     alpha = gl.full([64], 1.0, gl.float32, gl.SliceLayout(1, s_layout))
     pv = gl.zeros([64, BLOCK_N], dtype, p_layout)
-    lo, hi = _bounds(kv_lo, kv_hi, e0, 0, BLOCK_N, TPE)
-    if num_tiles > 0:
+    lo = e0 * 0  # the current tile's key slots [lo, hi)
+    hi = e0 * 0
+    if num_tiles > 0:  # (a unit with no entries reads no bounds: e0 may be past the last)
+        lo, hi = _bounds(kv_lo, kv_hi, e0, 0, BLOCK_N, TPE)
         sc = _scores(q_smem, k_bufs, k_ready, it, BLOCK_N, s_layout)
         pv, alpha, m_i, l_i = _softmax(sc, (n >= lo) & (n < hi), m_i, l_i, scale_log2,
                                        p_layout, dtype)
@@ -220,7 +224,8 @@ def _write_rows(o, lse, acc, m_i, l_i, out, q_len, h, stride_ot, stride_oh, stri
     gl.store(o_ptr, o_tile, mask=(m // G < q_len)[:, None])
     if WRITE_LSE:
         ln_l = (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453  # x ln 2
-        lse_row = gl.convert_layout(gl.where(seen, ln_l, float("-inf")), gl.SliceLayout(1, _IO_LAYOUT))
+        lse_row = gl.convert_layout(gl.where(seen, ln_l, float("-inf")),
+                                    gl.SliceLayout(1, _IO_LAYOUT))
         gl.store(lse + (out + m // G).to(gl.int64) * stride_lt + h * G + m % G, lse_row,
                  mask=m // G < q_len)
 
