@@ -387,3 +387,12 @@ def test_imports_and_runs_on_cpu_without_triton():
             "import prefixserve.bench.kernels\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+@pytest.mark.parametrize("version,tested", [("3.6.0", True), ("3.6.1", True), ("3.5.1", False),
+                                            ("3.9.0", False), ("4.6.0", False)])
+def test_gluon_kernel_only_on_the_triton_it_is_tested_on(version, tested):
+    """Gluon's API moves between Triton releases: the Hopper kernel (`ops.triton.hopper`) is
+    taken on the version it is tested on only, every other launch runs the Triton kernel."""
+    from prefixserve.attention.ops.triton.attend import gluon_tested
+    assert gluon_tested(version) == tested

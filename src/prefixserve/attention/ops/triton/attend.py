@@ -55,13 +55,17 @@ GLUON_TRITON = (3, 6)  # the Triton whose Gluon (an experimental API) the Hopper
 log = logging.getLogger(__name__)
 
 
+def gluon_tested(version: str) -> bool:
+    """Whether Triton `version` (e.g. "3.6.0") is the one the Gluon kernel is tested on."""
+    return tuple(int(x) for x in version.split(".")[:2]) == GLUON_TRITON
+
+
 @functools.cache
 def hopper_module() -> ModuleType | None:
     """`ops.triton.hopper`, the Gluon wide launch for sm_90, where this Triton is the one it
     was written and tested against; None elsewhere (the Triton kernel runs every launch).
     Imported on first use: it loads Gluon, which only a GPU run needs."""
-    version = tuple(int(x) for x in triton.__version__.split(".")[:2])
-    if version != GLUON_TRITON:
+    if not gluon_tested(triton.__version__):
         log.info("triton %s: the Gluon wide launch is tested on %d.%d only; using the Triton "
                  "kernel for every launch", triton.__version__, *GLUON_TRITON)
         return None
