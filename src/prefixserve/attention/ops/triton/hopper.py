@@ -327,15 +327,14 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
            count: torch.Tensor, kv_chunk: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
            scale: float, o: torch.Tensor, lse: torch.Tensor | None, programs: int) -> None:
     """`attend.launch_units` for a launch that `applies`: the first count[0] units on a
-    persistent grid of min(programs, SMs) CTAs."""
+    persistent grid of `programs` CTAs (at most one per SM: each takes a whole SM)."""
     n_chunks, chunk_size, hkv, d = k_cache.shape
     g = q.shape[1] // hkv
     dtype = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], dtype)
     k_desc, v_desc = (TensorDescriptor(c, [n_chunks * chunk_size, hkv * d], [hkv * d, 1],
                                        [BLOCK_N, d], layout) for c in (k_cache, v_cache))
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    _wide_kernel[(min(programs, sms),)](
+    _wide_kernel[(programs,)](
         q, units, count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o, o if lse is None else lse,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), 0 if lse is None else lse.stride(0),
         scale * 1.4426950408889634, chunk_size, HKV=hkv, G=g, HEAD_DIM=d, BLOCK_N=BLOCK_N,
