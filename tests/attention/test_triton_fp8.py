@@ -71,7 +71,8 @@ def test_store_kv_quantizes_as_the_reference(dtype):
 
 @pytest.mark.parametrize("seed,dtype,head_dim,group,chunk,prefill",
                          [(0, torch.bfloat16, 128, 1, 64, False), (1, torch.float16, 64, 8, 16, True),
-                          (2, torch.float32, 64, 3, 16, False), (3, torch.bfloat16, 64, 4, 64, True)])
+                          (2, torch.float32, 64, 3, 16, False), (3, torch.bfloat16, 64, 4, 64, True),
+                          (4, torch.float16, 64, 1, 64, False)])
 def test_attend_items_over_fp8_matches_reference(seed, dtype, head_dim, group, chunk, prefill):
     case, kv_scale = fp8_case(seed, dtype, head_dim, group, chunk, prefill)
     reference.store_kv(case.k_cache, case.v_cache, case.k, case.v, case.batch.slots, kv_scale)
@@ -107,7 +108,7 @@ def run_backend(cls, case, kv_scale, kernels, padded=0):
 
 
 DECODE = [(104, torch.bfloat16, 128, 4, 64, False), (108, torch.float16, 64, 20, 16, False),
-          (101, torch.float16, 128, 8, 64, False)]
+          (101, torch.float16, 128, 8, 64, False), (105, torch.float16, 128, 1, 64, False)]
 # graph (padded) steps are decode steps
 BACKEND_CASES = [(*c, 0) for c in DECODE] + [(*c, 3) for c in DECODE] + [(102, torch.bfloat16, 64, 1, 16, True, 0)]
 
