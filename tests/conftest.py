@@ -3,9 +3,22 @@ reference outputs (computed once per session)."""
 
 from __future__ import annotations
 
-import pytest
+import os
+import sys
 
-from prefixserve import LLM
+# The Triton interpreter multiplies tiles with numpy, i.e. OpenBLAS, and the deterministic-mode
+# tests (test_linear, test_triton_cells) need a row's bits not to depend on its place in the
+# tile, as on the GPU's matrix units. OpenBLAS's Haswell sgemm kernel (detected on AMD Zen, and
+# pinned by OPENBLAS_CORETYPE=Haswell on some of these machines) sums the rows of a register
+# block in different orders: a row alone and the same row 7th in a tile differ in the last bit.
+# Its Sandybridge kernel (AVX: any x86-64 CPU of the last decade) does not, nor does SkylakeX.
+# OpenBLAS reads this once, when numpy first loads it.
+assert "numpy" not in sys.modules, "numpy loaded before tests/conftest.py: OPENBLAS_CORETYPE is too late"
+os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
+
+import pytest  # noqa: E402
+
+from prefixserve import LLM  # noqa: E402
 
 
 @pytest.fixture(scope="session")
