@@ -13,8 +13,8 @@ import sys
 # block in different orders: a row alone and the same row 7th in a tile differ in the last bit.
 # Its Sandybridge kernel (AVX: any x86-64 CPU of the last decade) does not, nor does SkylakeX.
 # OpenBLAS reads this once, when numpy first loads it. A GPU run of the kernel tests
-# (PREFIXSERVE_TRITON_TEST_DEVICE=cuda) multiplies on the GPU, and there a pytest plugin of the
-# image may have loaded numpy already.
+# (PREFIXSERVE_TRITON_TEST_DEVICE=cuda) multiplies on the GPU, and on the lent GPU's image numpy
+# is already loaded when this file runs (by start-up code of the image, not traced further).
 assert "numpy" not in sys.modules or os.environ.get("PREFIXSERVE_TRITON_TEST_DEVICE", "cpu") != "cpu", \
     "numpy loaded before tests/conftest.py: OPENBLAS_CORETYPE is too late"
 os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
