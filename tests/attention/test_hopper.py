@@ -111,9 +111,10 @@ def test_gluon_wide_launch_matches_twin(dtype, hkv, g, d, chunk, items, sms):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_decode_step_with_gluon_wide_units(dtype):
     """A decode step whose shared prefix makes 128-row wide units: relay and hydragen run
-    them in the Gluon kernel, beside the narrow units (Triton) that write the new keys;
-    paged (narrow units only) runs Triton alone. The three agree, and the cache holds the
-    new keys after each."""
+    them in the Gluon kernel, beside the narrow units (Triton) that write the new keys -- in
+    the shape that fits beside it, taking units from a counter; paged (narrow units only)
+    runs Triton alone. The three agree, the cache holds the new keys after each, and a second
+    run gives the same output (the counter is back at 0)."""
     from prefixserve.attention.backends.hydragen import HydragenBackend
     from prefixserve.attention.backends.paged import PagedBackend
     from prefixserve.attention.backends.relay import RelayBackend
@@ -128,8 +129,11 @@ def test_decode_step_with_gluon_wide_units(dtype):
         x = be.current.extra
         if cls is not PagedBackend:  # Gluon applies: 128-row wide units, stores folded
             assert x["stores"] and x["wide_block_m"] == 128 and x["narrow_programs"] > 0
+            assert x["narrow_dynamic"] and x["narrow_maxnreg"] == hopper.MAXNREG
         k_cache, v_cache = row.k_cache.clone(), row.v_cache.clone()
         outs[cls.name] = be.run(row.q, row.k, row.v, k_cache, v_cache).float()
+        again = be.run(row.q, row.k, row.v, k_cache.clone(), v_cache.clone()).float()
+        assert torch.equal(again, outs[cls.name]) and not be.kernels.queues.any(), cls.name
         slots = row.batch.slots.to(DEVICE)
         assert torch.equal(k_cache.view(-1, *k_cache.shape[2:])[slots], row.k)
         assert torch.equal(v_cache.view(-1, *v_cache.shape[2:])[slots], row.v)

@@ -203,6 +203,28 @@ def test_backends_on_triton_match_dense(seed, dtype, head_dim, group, chunk, pre
         assert torch.equal(flat[case.batch.slots], case.k.to(dtype)), name
 
 
+@pytest.mark.parametrize("prefill", [False, True])
+def test_dynamic_launches_match_dense_run_after_run(prefill):
+    """Programs that take their units from a device counter (`KernelConfig.dynamic`, a launch
+    that shares the SMs with another): the same rows as a fixed stride, and the counter back
+    at 0 after each launch -- else the next layer's launch would start past its units and
+    write nothing (the second run checks it)."""
+    case = tree_case(4 + prefill, torch.float16, 64, 3, 16, prefill)
+    ref = dense_attention(case)
+    vmax = max(v.double().abs().max() for _, v in case.seq_kv)
+    configs = (KernelConfig(16, 16, num_warps=2, dynamic=True), KernelConfig(32, 16, dynamic=True))
+    kernels = tops.TritonKernels(case.shape, configs=configs, sms=3)
+    backend = HydragenBackend(case.shape, kernels=kernels)
+    backend.plan(case.batch)
+    assert all(la.queue is not None for la in kernels.launches(backend.current.extra))
+    for _ in range(2):
+        k_cache, v_cache = to_dev(case.k_cache.clone(), case.v_cache.clone())
+        o = backend.run(*to_dev(case.q, case.k, case.v), k_cache, v_cache).cpu()
+        bound = U[torch.float16] * ref.abs() + o_tol(torch.float16) * vmax
+        assert ((o.double() - ref).abs() <= bound).all()
+        assert not kernels.queues.any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_units_that_store_use_the_new_keys_as_the_cache_holds_them(dtype):
     """New keys given in fp32, between two values of the cache's dtype: the units that write

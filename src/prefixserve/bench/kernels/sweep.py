@@ -94,7 +94,7 @@ def _split_times(be, row: Row, device: torch.device) -> dict:
             times[name] = timed(functools.partial(launch_units, row.q, row.k_cache, row.v_cache, p.q_pos,
                                                   la.units, la.count, *idx, row.shape.scale,
                                                   o_s, lse_s, la.cfg, la.causal, la.programs,
-                                                  new_kv if la.stores else None),
+                                                  new_kv if la.stores else None, queue=la.queue),
                                 device)
             times[name + "_units"] = int(la.units.shape[0])
     times["both"] = timed(lambda: launch_worklist(row.q, row.k_cache, row.v_cache, p.q_pos,

@@ -121,22 +121,50 @@ def _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc, scale_log2, windo
 
 @triton.jit
 def _attend_kernel(q, k_cache, v_cache, q_pos, units, unit_count, kv_chunk, kv_lo, kv_hi, kv_pos,
-                   o, lse, k_new, v_new, slots, kv_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                   o, lse, k_new, v_new, slots, kv_scale, queue, stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_lt, stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, chunk_size,
                    window, HKV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    C_PAD: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
                    WRITE_LSE: tl.constexpr, STORE: tl.constexpr, PRECISION: tl.constexpr,
-                   DOT_FP32: tl.constexpr, FP8_CACHE: tl.constexpr):
+                   DOT_FP32: tl.constexpr, FP8_CACHE: tl.constexpr, DYNAMIC: tl.constexpr):
     # Persistent: program p takes work items p, p + P, p + 2P, ... of the unit_count[0] * HKV
     # (unit, KV head) pairs; units are longest first, so each stride of P items is balanced.
+    # DYNAMIC: programs take the items in order from a device counter instead (`_take`).
     num_work = tl.load(unit_count) * HKV
-    for w in range(tl.program_id(0), num_work, tl.num_programs(0)):
+    w = _take(queue, tl.program_id(0), DYNAMIC)
+    while w < num_work:
+        nxt = _take(queue, w + tl.num_programs(0), DYNAMIC)  # taken now: its latency under this item
         _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_pos, o, lse,
                      k_new, v_new, slots, kv_scale, w // HKV, w % HKV, stride_qt, stride_qh,
                      stride_ot, stride_oh, stride_lt, stride_kt, stride_kh, stride_vt, stride_vh,
                      scale_log2, chunk_size, window, HKV, G, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
                      C_PAD, CAUSAL, SLIDING, WRITE_LSE, STORE, PRECISION, DOT_FP32, FP8_CACHE)
+        w = nxt
+    if DYNAMIC:
+        _release_queue(queue)
+
+
+@triton.jit
+def _take(queue, strided, DYNAMIC: tl.constexpr):
+    """The next work item: `strided` (a fixed stride), or DYNAMIC the next of queue[0] (one
+    atomic a take: a launch that shares the SMs with another keeps its resident programs busy
+    while the rest wait for room)."""
+    if DYNAMIC:
+        return tl.atomic_add(queue, 1, sem="relaxed")
+    else:
+        return strided
+
+
+@triton.jit
+def _release_queue(queue):
+    """queue [2] int32: (next work item, programs done), both 0 when a launch starts. A program
+    that took its last item (one past the work) counts itself done; the last one resets both
+    for the next launch: every take of this launch precedes its count (release), and the reset
+    follows them all (acquire)."""
+    if tl.atomic_add(queue + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        tl.store(queue, 0)
+        tl.store(queue + 1, 0)
 
 
 @triton.jit
@@ -269,7 +297,7 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  kv_hi: torch.Tensor, kv_pos: torch.Tensor, scale: float, o: torch.Tensor,
                  lse: torch.Tensor | None, cfg: KernelConfig, causal: bool, programs: int,
                  new_kv: NewKV | None = None, window: int | None = None,
-                 kv_scale: torch.Tensor | None = None) -> None:
+                 kv_scale: torch.Tensor | None = None, queue: torch.Tensor | None = None) -> None:
     """Run the first count[0] units of `units` ([>= count, 6] int32, see worklist; count: [1]
     int32 on the device, so a CUDA graph replays any number) on a persistent grid of
     `programs` programs, into o [*, Hq, D] (any float dtype) and, unless lse is None, lse
@@ -277,7 +305,8 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     of its units (decode), which drops the position mask. new_kv: (k [T, Hkv, D], v, slots
     [T] int64) for units that store their row's new key (worklist `stores`). window: a sliding
     layer's (then every launch masks by position, both bounds); None: none. kv_scale: [4, Hkv]
-    fp32, given iff the cache is fp8."""
+    fp32, given iff the cache is fp8. queue: [2] int32 on the device, zero (and zero again
+    after the launch), given iff cfg.dynamic."""
     t, hq, d = q.shape
     n_chunks, chunk_size, hkv, d_cache = k_cache.shape
     assert d_cache == d and hq % hkv == 0 and v_cache.shape == k_cache.shape
@@ -291,6 +320,8 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     for idx in (q_pos, count, kv_chunk, kv_lo, kv_hi, kv_pos):
         assert idx.dtype == torch.int32 and idx.device == q.device
     assert lse is None or (lse.dtype == torch.float32 and lse.shape == o.shape[:2])
+    assert cfg.dynamic == (queue is not None), "a dynamic launch, and only it, takes a queue"
+    assert queue is None or (queue.dtype == torch.int32 and queue.shape == (2,))
     if programs == 0:  # (the narrow class is empty when G > NARROW_ROWS)
         return
     g = hq // hkv
@@ -302,23 +333,25 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         assert k.stride(-1) == 1 and v.stride(-1) == 1 and slots.dtype == torch.int64
     args = (q, k_cache, v_cache, q_pos, units, count, kv_chunk, kv_lo, kv_hi, kv_pos, o,
             o if lse is None else lse, k, v, q_pos if slots is None else slots,
-            q_pos if kv_scale is None else kv_scale, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
-            0 if lse is None else lse.stride(0), k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), scale * _LOG2E, chunk_size, window or 0)
+            q_pos if kv_scale is None else kv_scale, q_pos if queue is None else queue, q.stride(0),
+            q.stride(1), o.stride(0), o.stride(1), 0 if lse is None else lse.stride(0), k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), scale * _LOG2E, chunk_size, window or 0)
     meta: dict[str, int | bool | str] = dict(
         HKV=hkv, G=g, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, C_PAD=next_pow2(chunk_size), CAUSAL=causal, SLIDING=window is not None,
-        WRITE_LSE=lse is not None, STORE=new_kv is not None, FP8_CACHE=fp8,
+        WRITE_LSE=lse is not None, STORE=new_kv is not None, FP8_CACHE=fp8, DYNAMIC=cfg.dynamic,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # the interpreter (CPU tensors) multiplies raw bf16 bits in tl.dot (triton 3.9): upcast
         # there, exactly (the products are then of the same bf16 values, in fp32)
         DOT_FP32=q.device.type == "cpu" and q.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.maxnreg:
+        meta["maxnreg"] = cfg.maxnreg
     if q.device.type == "cuda":
         hopper = hopper_module() if cfg.hopper else None
         if hopper and hopper.applies(q, k_cache, cfg.block_m, causal, window, slots is not None):
             hopper.launch(q, k_cache, v_cache, units, count, kv_chunk, kv_lo, kv_hi, scale, o,
-                          lse, min(programs, num_sms(q.device)))
+                          lse, min(programs, num_sms(q.device)), cfg.maxnreg or hopper.MAXNREG)
             return
         programs = min(programs, resident_programs(args, meta, q.device))
     _attend_kernel[(programs,)](*args, **meta)
@@ -360,6 +393,7 @@ class Launch:
     causal: bool
     programs: int  # persistent grid size; 0: nothing to run
     stores: bool = False  # some unit stores its row's new key (the launch takes new_kv)
+    queue: torch.Tensor | None = None  # [2] int32, iff cfg.dynamic: the launch's work counter
 
 
 def grid_size(num_units: int, num_kv_heads: int, cfg: KernelConfig, sms: int,
@@ -385,7 +419,7 @@ def launch_worklist(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     def go(x: Launch) -> None:
         launch_units(q, k_cache, v_cache, q_pos, x.units, x.count, *idx, scale, o, lse, x.cfg,
-                     x.causal, x.programs, new_kv if x.stores else None, window, kv_scale)
+                     x.causal, x.programs, new_kv if x.stores else None, window, kv_scale, x.queue)
 
     narrow, wide = launches
     fork = side if narrow.programs and wide.programs else None  # a side stream, if both run
@@ -430,8 +464,8 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     def dev(a: npt.ArrayLike) -> torch.Tensor:
         return torch.from_numpy(np.asarray(a, np.int32)).to(q.device)
 
-    narrow, wide = (Launch(dev(u), dev([len(u)]), cfg, causal,
-                           grid_size(len(u), hkv, cfg, sms, fixed=False))
+    narrow, wide = (Launch(dev(u), dev([len(u)]), cfg, causal, grid_size(len(u), hkv, cfg, sms, fixed=False),
+                           queue=torch.zeros(2, dtype=torch.int32, device=q.device) if cfg.dynamic else None)
                     for u, cfg, causal in zip((wl.narrow, wl.wide), configs, wl.causal, strict=True))
     launches = (narrow, wide)
     o = torch.zeros((num_out_rows, hq, d), dtype=torch.float32, device=q.device)

@@ -55,18 +55,28 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 BLOCK_M = 128  # rows of a unit: two warpgroups of 64
 BLOCK_N = 64  # keys per K/V tile (128-key tiles of two chunks, 2 stages: 0.83-0.87x the speed)
 STAGES = 3  # K/V ring depth, 3 x 32 KiB + Q 32 KiB at D 128 (4: 0-6% slower, 2: 20-30%)
-MAXNREG = 168  # x 384 threads: the register file (136: steps 3-20% slower, 120: up to 2.4x)
+# x 384 threads: the CTA's registers. 128 leaves each of the SM's four sub-partitions (16K
+# registers, 3 of this CTA's warps each) room for one warp of 128 -- the narrow launch that
+# `worklist.choose_configs` shapes to fit -- so that the decode tails stream while the
+# products run (168, the whole file: they ran after it). The row warpgroups get 176 (24 bytes
+# of spills; 240 at 168).
+MAXNREG = 128
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, block_m: int, causal: bool,
             window: int | None, stores: bool) -> bool:
     """Whether `launch` can run this wide launch (see the module docstring)."""
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+    return (supports(q.device, q.dtype, k_cache.dtype, q.shape[-1], k_cache.shape[1])
+            and block_m == BLOCK_M and not causal and window is None and not stores)
+
+
+def supports(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
+             chunk: int) -> bool:
+    """The part of `applies` that a model's shape decides (the rest is the launch's)."""
+    if torch.device(device).type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return False
-    d, chunk = q.shape[-1], k_cache.shape[1]
-    return (q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype
-            and d in (64, 128) and chunk >= 64 and chunk & (chunk - 1) == 0 and block_m == BLOCK_M
-            and not causal and window is None and not stores)
+    return (dtype in (torch.float16, torch.bfloat16) and kv_dtype == dtype and head_dim in (64, 128)
+            and chunk >= 64 and chunk & (chunk - 1) == 0)
 
 
 @gluon.jit
@@ -297,7 +307,7 @@ def _wide_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, scale_log2, chunk_size,
                  HKV: gl.constexpr, G: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BLOCK_N: gl.constexpr, TPE: gl.constexpr, STAGES: gl.constexpr,
-                 WRITE_LSE: gl.constexpr):
+                 WRITE_LSE: gl.constexpr, ROWS_REGS: gl.constexpr):
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], q.dtype.element_ty)
     q_smem = gl.allocate_shared_memory(q.dtype.element_ty, [2, 64, HEAD_DIM], q_layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -320,12 +330,13 @@ def _wide_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
                            WRITE_LSE)),
         (_load_partition, (units, unit_count, kv_chunk, k_desc, v_desc, k_bufs, v_bufs, k_ready,
                            v_ready, empty, chunk_size, HKV, HEAD_DIM, BLOCK_N, TPE)),
-    ], [4, 1], [240, 24])
+    ], [4, 1], [ROWS_REGS, 24])
 
 
 def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
            count: torch.Tensor, kv_chunk: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
-           scale: float, o: torch.Tensor, lse: torch.Tensor | None, programs: int) -> None:
+           scale: float, o: torch.Tensor, lse: torch.Tensor | None, programs: int,
+           maxnreg: int = MAXNREG) -> None:
     """`attend.launch_units` for a launch that `applies`: the first count[0] units on a
     persistent grid of `programs` CTAs (at most one per SM: each takes a whole SM)."""
     n_chunks, chunk_size, hkv, d = k_cache.shape
@@ -338,5 +349,11 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
         q, units, count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o, o if lse is None else lse,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), 0 if lse is None else lse.stride(0),
         scale * 1.4426950408889634, chunk_size, HKV=hkv, G=g, HEAD_DIM=d, BLOCK_N=BLOCK_N,
-        TPE=chunk_size // BLOCK_N, STAGES=STAGES, WRITE_LSE=lse is not None, num_warps=4,
-        maxnreg=MAXNREG)
+        TPE=chunk_size // BLOCK_N, STAGES=STAGES, WRITE_LSE=lse is not None,
+        ROWS_REGS=rows_regs(maxnreg), num_warps=4, maxnreg=maxnreg)
+
+
+def rows_regs(maxnreg: int) -> int:
+    """Registers of a row warpgroup's thread when the CTA (384 threads) holds `maxnreg` a
+    thread: what the 1-warp load partition's warpgroup (24 a thread) leaves, in steps of 8."""
+    return min(240, (maxnreg * 384 - 24 * 128) // 256 // 8 * 8)

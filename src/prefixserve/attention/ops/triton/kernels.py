@@ -22,12 +22,13 @@ import torch
 
 from ...base import AttentionBatch, AttentionShape
 from ...plan import DeviceExtras, DevicePlan, HostArrays, HostExtras, required
-from .attend import Launch, grid_size, launch_worklist, num_sms
+from .attend import Launch, grid_size, hopper_module, launch_worklist, num_sms
 from .merge import merge_rows
 from .store import store_kv
 from .worklist import NARROW_ROWS, KernelConfig, build_worklist, choose_configs
 
-_SHAPE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "programs_per_sm", "hopper")
+_SHAPE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "programs_per_sm", "hopper", "maxnreg",
+               "dynamic")
 
 
 class TritonKernels:
@@ -46,6 +47,9 @@ class TritonKernels:
         # launches (measured: 288 vs 274 us on Table 3 n_p 4096, n_s 2048)
         self.side = torch.cuda.Stream(shape.device, priority=-1) if cuda else None  # type: ignore[no-untyped-call]  # torch's Stream.__new__ is unannotated
         self.generation = 0  # moves of the padded plans' scratch buffers, changes of `stores`
+        # each launch class's work counter for dynamic launches, zero between launches (the
+        # classes run concurrently; a class's launches run one after another on its stream)
+        self.queues = torch.zeros((2, 2), dtype=torch.int32, device=shape.device)
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         self._padded_stores: tuple[bool, bool, bool] | None = None  # (any, narrow, wide)
 
@@ -57,7 +61,8 @@ class TritonKernels:
         wide_rows = q_len[q_len * self.group > NARROW_ROWS]
         # a graph's launch shapes are fixed by its row count (an item holds at most all rows)
         rows_hint = (batch.padded.rows if batch.padded else int(wide_rows.max(initial=0))) * self.group
-        configs = self.configs or choose_configs(rows_hint, s.head_dim, s.dtype.itemsize)
+        gluon = _gluon_wide(s, batch.chunk_size)
+        configs = self.configs or choose_configs(rows_hint, s.head_dim, s.dtype.itemsize, gluon)
         wl = build_worklist(required(arrays, "item_q_start"), q_len, required(arrays, "item_out_start"),
                             required(arrays, "item_kv_indptr"), required(arrays, "q_pos").size,
                             arrays["row_indptr"], arrays["row_parts"], configs, group=self.group,
@@ -113,15 +118,16 @@ class TritonKernels:
 
     @staticmethod
     def launch_config(extra: DeviceExtras, cls: str) -> KernelConfig:
-        m, n, warps, stages, per_sm, hopper = (_int(extra, f"{cls}_{k}") for k in _SHAPE_KEYS)
-        return KernelConfig(m, n, warps, stages, per_sm, bool(hopper))
+        m, n, warps, stages, per_sm, hopper, maxnreg, dynamic = (_int(extra, f"{cls}_{k}") for k in _SHAPE_KEYS)
+        return KernelConfig(m, n, warps, stages, per_sm, bool(hopper), maxnreg, bool(dynamic))
 
-    @classmethod
-    def launches(cls, x: DeviceExtras) -> tuple[Launch, Launch]:
+    def launches(self, x: DeviceExtras) -> tuple[Launch, Launch]:
         """The (narrow, wide) launches of a plan's extras `x`."""
-        narrow, wide = (Launch(_tensor(x, c), _tensor(x, "unit_counts")[i:i + 1], cls.launch_config(x, c),
-                               bool(x[f"causal_{c}"]), _int(x, f"{c}_programs"), bool(x[f"stores_{c}"]))
-                        for i, c in enumerate(("narrow", "wide")))
+        cfgs = [self.launch_config(x, c) for c in ("narrow", "wide")]
+        narrow, wide = (Launch(_tensor(x, c), _tensor(x, "unit_counts")[i:i + 1], cfg, bool(x[f"causal_{c}"]),
+                               _int(x, f"{c}_programs"), bool(x[f"stores_{c}"]),
+                               self.queues[i] if cfg.dynamic else None)
+                        for i, (c, cfg) in enumerate(zip(("narrow", "wide"), cfgs, strict=True)))
         return narrow, wide
 
     def _new_scratch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,6 +140,15 @@ class TritonKernels:
         if self._scratch is None or self._scratch[1].shape[0] < rows:
             self._scratch = self._new_scratch(max(256, 1 << (rows - 1).bit_length()))
             self.generation += 1
+
+
+def _gluon_wide(shape: AttentionShape, chunk_size: int) -> bool:
+    """Whether this shape's 128-row decode wide launches run the Gluon kernel."""
+    if torch.device(shape.device).type != "cuda":
+        return False
+    hopper = hopper_module()
+    return hopper is not None and hopper.supports(shape.device, shape.dtype, shape.kv_dtype or shape.dtype,
+                                                  shape.head_dim, chunk_size)
 
 
 def _int(x: DeviceExtras, name: str) -> int:

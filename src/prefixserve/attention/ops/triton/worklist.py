@@ -69,6 +69,8 @@ class KernelConfig:
     num_stages: int = 2
     programs_per_sm: int = 4  # grid-size target of the split heuristic
     hopper: bool = True  # the Gluon kernel where it applies (`hopper.applies`: sm_90 wide launches)
+    maxnreg: int = 0  # registers a thread at most (0: the compiler's choice)
+    dynamic: bool = False  # programs take units from a device counter, not a fixed stride
 
 
 NARROW_ROWS = 16  # items with q_len * G <= this run in the narrow launch (decode tails)
@@ -78,7 +80,8 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int) -> tuple[KernelConfig, KernelConfig]:
+def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int,
+                   gluon: bool = False) -> tuple[KernelConfig, KernelConfig]:
     """(narrow, wide) launch shapes, from sweeps on an H200 (benchmarks/kernels-notes.md).
 
     narrow: one query row x G heads (decode tails) in a 16-row tile; the step is a stream of
@@ -92,14 +95,24 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int) -> tuple[Ke
     than 2; 64 keys took 10-28% less time than 32, v6). Fewer rows than a tile: the next
     power of two (Table 3's 32 rows), as a tile's padding rows cost full products. A 128-row
     program's registers leave room for 2 per SM: its grid targets those 2.
+    gluon: 128-row wide launches run the Gluon kernel (`hopper.supports`), one CTA an SM that
+    leaves each SM sub-partition room for one warp of 128 registers (`hopper.MAXNREG`). The
+    narrow launch then fits beside it, so that the tails stream while the products run: 128
+    registers a thread, half the keys a tile (2-warp programs, 2 an SM beside the CTA), units
+    taken as programs free up (`dynamic`: programs that wait for room find the rest), 8 an SM
+    once the products end. On an H200 it took 0-12% off every Hydragen-grid row (kernels-
+    notes.md, issue 25 part six).
     """
     block_n = 64 if head_dim > 64 else 128
     if itemsize >= 4:
         block_n //= 2
     wide_m = min(128, max(32, next_pow2(max_wide_rows)))
-    return (KernelConfig(NARROW_ROWS, block_n, num_warps=2),
-            KernelConfig(wide_m, block_n, num_stages=2 if wide_m == 128 else 3,
-                         programs_per_sm=2 if wide_m == 128 else 4))
+    narrow = KernelConfig(NARROW_ROWS, block_n, num_warps=2)
+    if gluon and wide_m == 128:
+        narrow = KernelConfig(NARROW_ROWS, block_n // 2, num_warps=2, programs_per_sm=8, maxnreg=128,
+                              dynamic=True)
+    return (narrow, KernelConfig(wide_m, block_n, num_stages=2 if wide_m == 128 else 3,
+                                 programs_per_sm=2 if wide_m == 128 else 4))
 
 
 @dataclasses.dataclass(frozen=True)
