@@ -456,7 +456,8 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     hq, d = q.shape[1:]
     hkv, g = k_cache.shape[2], hq // k_cache.shape[2]
     sms = sms or num_sms(q.device)
-    configs = configs or choose_configs(int(host[1].max(initial=0)) * g, d, q.element_size())
+    configs = configs or choose_configs(int(host[1].max(initial=0)) * g, d, q.element_size(),
+                                        fp8=k_cache.element_size() == 1)
     wl = build_worklist(host[0], host[1], host[2], host[3], num_out_rows, None, None, configs,
                         group=g, num_kv_heads=hkv, chunk_size=k_cache.shape[1],
                         itemsize=k_cache.element_size(), num_sms=sms, positions=host[4:])

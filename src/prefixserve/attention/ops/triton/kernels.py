@@ -62,7 +62,8 @@ class TritonKernels:
         # a graph's launch shapes are fixed by its row count (an item holds at most all rows)
         rows_hint = (batch.padded.rows if batch.padded else int(wide_rows.max(initial=0))) * self.group
         gluon = _gluon_wide(s, batch.chunk_size)
-        configs = self.configs or choose_configs(rows_hint, s.head_dim, s.dtype.itemsize, gluon)
+        configs = self.configs or choose_configs(rows_hint, s.head_dim, s.dtype.itemsize, gluon,
+                                                 fp8=s.kv_itemsize == 1)
         wl = build_worklist(required(arrays, "item_q_start"), q_len, required(arrays, "item_out_start"),
                             required(arrays, "item_kv_indptr"), required(arrays, "q_pos").size,
                             arrays["row_indptr"], arrays["row_parts"], configs, group=self.group,

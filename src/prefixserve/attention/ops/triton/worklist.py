@@ -80,8 +80,8 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int,
-                   gluon: bool = False) -> tuple[KernelConfig, KernelConfig]:
+def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool = False,
+                   fp8: bool = False) -> tuple[KernelConfig, KernelConfig]:
     """(narrow, wide) launch shapes, from sweeps on an H200 (benchmarks/kernels-notes.md).
 
     narrow: one query row x G heads (decode tails) in a 16-row tile; the step is a stream of
@@ -100,15 +100,22 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int,
     narrow launch then fits beside it, so that the tails stream while the products run: 128
     registers a thread, half the keys a tile (2-warp programs, 2 an SM beside the CTA), units
     taken as programs free up (`dynamic`: programs that wait for room find the rest), 8 an SM
-    once the products end. On an H200 it took 0-12% off every Hydragen-grid row (kernels-
+    once the products end. On an H200 it took 2.5-7% off every Hydragen-grid row (kernels-
     notes.md, issue 25 part six).
+    fp8: an fp8 cache's narrow tiles are half the bytes, so a program's one tile in flight
+    (2 stages) hides less of the latency: 5 stages put two in flight (the walk's index loads
+    take the first stages), at half the keys a tile. On an H200: Table 3's fp8 rows 1-8%
+    faster, none slower (64-key tiles at 5 stages: 9-13% on the rows without sharing, up to
+    17% slower on the others; 16-bit rows: no change either way).
     """
     block_n = 64 if head_dim > 64 else 128
     if itemsize >= 4:
         block_n //= 2
     wide_m = min(128, max(32, next_pow2(max_wide_rows)))
     narrow = KernelConfig(NARROW_ROWS, block_n, num_warps=2)
-    if gluon and wide_m == 128:
+    if fp8:
+        narrow = KernelConfig(NARROW_ROWS, block_n // 2, num_warps=2, num_stages=5)
+    elif gluon and wide_m == 128:
         narrow = KernelConfig(NARROW_ROWS, block_n // 2, num_warps=2, programs_per_sm=8, maxnreg=128,
                               dynamic=True)
     return (narrow, KernelConfig(wide_m, block_n, num_stages=2 if wide_m == 128 else 3,
