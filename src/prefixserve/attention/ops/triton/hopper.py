@@ -20,7 +20,9 @@ The two row warpgroups share every K/V tile but never wait for each other: while
 its softmax the other's products keep the tensor cores busy (FlashAttention-3's ping-pong,
 left to the warp schedulers: issuing in strict turns measured 0-2% slower). A warpgroup whose
 rows are all padding (a unit of <= 64 rows) only waits for its stages and releases them.
-Measurements and what was tried: benchmarks/kernels-notes.md, issue 25 part two.
+The CTA leaves room beside it (`MAXNREG`): the narrow launch's programs (the decode tails)
+run on the same SMs while the products do, rather than after them.
+Measurements and what was tried: benchmarks/kernels-notes.md, issue 25 parts two and six.
 
 Tiles: the cache is viewed as [chunks * C, Hkv * D]; tile j of entry e is rows
 kv_chunk[e] * C + (j % TPE) * BLOCK_N, + BLOCK_N (TPE = C // BLOCK_N tiles per entry, so a

@@ -104,9 +104,9 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     notes.md, issue 25 part six).
     fp8: an fp8 cache's narrow tiles are half the bytes, so a program's one tile in flight
     (2 stages) hides less of the latency: 5 stages put two in flight (the walk's index loads
-    take the first stages), at half the keys a tile. On an H200: Table 3's fp8 rows 1-8%
-    faster, none slower (64-key tiles at 5 stages: 9-13% on the rows without sharing, up to
-    17% slower on the others; 16-bit rows: no change either way).
+    take the first stages), at half the keys a tile. On an H200: Table 3's fp8 rows with
+    tails 2-8% faster, the all-shared ones within 1.2% (64-key tiles at 5 stages: 9-13% faster
+    without sharing, up to 17% slower elsewhere; 16-bit rows: no change either way).
     """
     block_n = 64 if head_dim > 64 else 128
     if itemsize >= 4:
