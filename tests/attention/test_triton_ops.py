@@ -37,7 +37,12 @@ from prefixserve.attention.backends.relay import RelayBackend  # noqa: E402
 from prefixserve.attention.base import PaddedRows  # noqa: E402
 from prefixserve.attention.ops import reference  # noqa: E402
 from prefixserve.attention.ops import triton as tops  # noqa: E402
-from prefixserve.attention.ops.triton.worklist import KernelConfig, build_worklist, choose_configs  # noqa: E402
+from prefixserve.attention.ops.triton.worklist import (  # noqa: E402
+    NARROW_REGS_BESIDE_GLUON,
+    KernelConfig,
+    build_worklist,
+    choose_configs,
+)
 from prefixserve.attention.plan import index_arrays  # noqa: E402
 from prefixserve.attention.schedule import SCHEDULES  # noqa: E402
 
@@ -359,6 +364,18 @@ def test_splits_only_where_they_end_the_launch_sooner():
                             n, None, None, configs, group=4, num_kv_heads=8, chunk_size=64,
                             itemsize=2, num_sms=132)
         assert len(wl.wide) == wide_units and len(wl.narrow) == n
+
+
+def test_narrow_launch_shapes_beside_the_gluon_kernel_and_over_fp8():
+    # 128-row wide launches on the Gluon kernel: the narrow launch fits beside its CTA (capped
+    # registers, units from a counter); Triton's 32-row wide tiles (Table 3) leave it as it was
+    narrow, wide = choose_configs(4096, 128, 2, gluon=True)
+    assert wide.block_m == 128 and narrow.dynamic and narrow.maxnreg == NARROW_REGS_BESIDE_GLUON
+    assert choose_configs(32, 128, 2, gluon=True) == choose_configs(32, 128, 2)
+    assert choose_configs(4096, 128, 2, gluon=False)[0] == choose_configs(32, 128, 2)[0]
+    # an fp8 cache (never the Gluon kernel's): two half-size tiles in flight
+    fp8 = choose_configs(4096, 128, 2, fp8=True)[0]
+    assert fp8.num_stages == 5 and fp8.block_n == 32 and not fp8.dynamic
 
 
 def test_decode_units_store_their_rows_new_keys():

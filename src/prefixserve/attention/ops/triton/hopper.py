@@ -54,15 +54,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .worklist import NARROW_REGS_BESIDE_GLUON
+
 BLOCK_M = 128  # rows of a unit: two warpgroups of 64
 BLOCK_N = 64  # keys per K/V tile (128-key tiles of two chunks, 2 stages: 0.83-0.87x the speed)
 STAGES = 3  # K/V ring depth, 3 x 32 KiB + Q 32 KiB at D 128 (4: 0-6% slower, 2: 20-30%)
-# x 384 threads: the CTA's registers. 128 leaves each of the SM's four sub-partitions (16K
-# registers, 3 of this CTA's warps each) room for one warp of 128 -- the narrow launch that
-# `worklist.choose_configs` shapes to fit -- so that the decode tails stream while the
-# products run (168, the whole file: they ran after it). The row warpgroups get 176 (24 bytes
-# of spills; 240 at 168).
-MAXNREG = 128
+# x 384 threads: the CTA's registers. Each of the SM's four sub-partitions holds 16K registers
+# (512 a thread of each of its warps) and 3 of this CTA's warps; what they leave takes one warp
+# of the narrow launch that `worklist.choose_configs` shapes to fit beside it, so that the
+# decode tails stream while the products run (at 168, the whole file, they ran after them).
+# 128: the row warpgroups get 176 (24 bytes of spills; 240 at 168, none).
+MAXNREG = (512 - NARROW_REGS_BESIDE_GLUON) // 3 // 8 * 8
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, block_m: int, causal: bool,

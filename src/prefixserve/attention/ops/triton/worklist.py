@@ -74,6 +74,7 @@ class KernelConfig:
 
 
 NARROW_ROWS = 16  # items with q_len * G <= this run in the narrow launch (decode tails)
+NARROW_REGS_BESIDE_GLUON = 128  # a narrow thread's registers beside the Gluon CTA (`hopper.MAXNREG`)
 
 
 def next_pow2(x: int) -> int:
@@ -96,9 +97,9 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     power of two (Table 3's 32 rows), as a tile's padding rows cost full products. A 128-row
     program's registers leave room for 2 per SM: its grid targets those 2.
     gluon: 128-row wide launches run the Gluon kernel (`hopper.supports`), one CTA an SM that
-    leaves each SM sub-partition room for one warp of 128 registers (`hopper.MAXNREG`). The
-    narrow launch then fits beside it, so that the tails stream while the products run: 128
-    registers a thread, half the keys a tile (2-warp programs, 2 an SM beside the CTA), units
+    leaves each SM sub-partition room for one warp of NARROW_REGS_BESIDE_GLUON registers
+    (`hopper.MAXNREG`). The narrow launch then fits beside it, so that the tails stream while
+    the products run: that many registers a thread, half the keys a tile (2-warp programs, 2 an SM beside the CTA), units
     taken as programs free up (`dynamic`: programs that wait for room find the rest), 8 an SM
     once the products end. On an H200 it took 2.5-7% off every Hydragen-grid row (kernels-
     notes.md, issue 25 part six).
@@ -116,8 +117,8 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     if fp8:
         narrow = KernelConfig(NARROW_ROWS, block_n // 2, num_warps=2, num_stages=5)
     elif gluon and wide_m == 128:
-        narrow = KernelConfig(NARROW_ROWS, block_n // 2, num_warps=2, programs_per_sm=8, maxnreg=128,
-                              dynamic=True)
+        narrow = KernelConfig(NARROW_ROWS, block_n // 2, num_warps=2, programs_per_sm=8,
+                              maxnreg=NARROW_REGS_BESIDE_GLUON, dynamic=True)
     return (narrow, KernelConfig(wide_m, block_n, num_stages=2 if wide_m == 128 else 3,
                                  programs_per_sm=2 if wide_m == 128 else 4))
 
