@@ -342,7 +342,8 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
            scale: float, o: torch.Tensor, lse: torch.Tensor | None, programs: int,
            maxnreg: int = MAXNREG) -> None:
     """`attend.launch_units` for a launch that `applies`: the first count[0] units on a
-    persistent grid of `programs` CTAs (at most one per SM: each takes a whole SM)."""
+    persistent grid of `programs` CTAs (at most one per SM: its shared memory and `maxnreg`
+    registers a thread leave room for narrow programs only, not a second CTA)."""
     n_chunks, chunk_size, hkv, d = k_cache.shape
     g = q.shape[1] // hkv
     dtype = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
