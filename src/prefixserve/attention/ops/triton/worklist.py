@@ -185,7 +185,8 @@ def _splits(q_len: np.ndarray, num_entries: np.ndarray, cfg: KernelConfig, group
 def _makespan(tiles: np.ndarray, copies: np.ndarray, programs: int) -> int:
     """Tiles of the busiest program when `copies[i]` work items of `tiles[i]` tiles each are
     taken longest first, program p taking items p, p + programs, ... (the attend kernel's
-    persistent stride)."""
+    persistent stride; the Gluon wide kernel strides over the items head-major, which this
+    models exactly where the units have equal lengths, as a shared item's row blocks do)."""
     work = np.sort(np.repeat(tiles, copies))[::-1]
     work = np.pad(work, (0, -len(work) % programs))
     return int(work.reshape(-1, programs).sum(0).max(initial=0))
