@@ -398,12 +398,13 @@ def test_decode_units_store_their_rows_new_keys():
         wl = build(np.r_[83, 88], num_sms=sms)
         units = np.concatenate([wl.narrow, wl.wide])
         assert wl.stores and (units[:, 1] == 1).sum() == tail_units
-        stores = units[units[:, 5] >= 0]
+        stores = units[units[:, 5] != -1]
         assert sorted(stores[:, 5].tolist()) == [0, 1] and (stores[:, 0] == stores[:, 5]).all()
         assert (stores[:, 3] == kv_indptr[stores[:, 0] + 2]).all()
-    # row 0's new key alone in its last entry (a fresh chunk)
+    # row 0's new key alone in its last entry (a fresh chunk): the unit leaves that entry out
     wl = build(np.r_[80, 88], kv_hi=np.r_[16, 16, 16, 16, 16, 1, 16, 16, 16, 9])
-    assert wl.stores and wl.narrow[wl.narrow[:, 5] == 0, 3].tolist() == [6]
+    assert wl.stores and wl.narrow[wl.narrow[:, 5] == -2, 3].tolist() == [5]
+    assert wl.narrow[wl.narrow[:, 5] == 1, 3].tolist() == [10]
     # row 1's last entry reads row 0's new key (chunk 11, slot 3): it recomputes a cached token
     assert not build(np.r_[83, 88], kv_chunk=np.r_[7, 3, 5, 9, 10, 11, 6, 8, 12, 11]).stores
     # a row's newest key is not at its own position (prefill: a later row reads it, causal)

@@ -20,10 +20,10 @@ in an unused slot cannot leak in.
 
 STORE (decode): a unit whose `store` column names a row t (its one row) takes t's new key and
 value at KV head h from k_new/v_new [T, Hkv, D] rather than from the cache: that key is the
-last of the unit's last entry, so the tile walk ends one slot earlier there (one entry
-earlier, if the entry held nothing else), the key joins the softmax from registers after the
-walk, and the unit writes it into slots[t]. No program reads that slot in the step
-(`worklist.mark_stores`), so the write needs no ordering.
+last of the unit's last entry, so the tile walk ends one slot earlier there (or, if the entry
+held nothing else, the work list left it out: `worklist`), the key joins the softmax from
+registers after the walk, and the unit writes it into slots[t]. No program reads that slot
+in the step (`worklist.mark_stores`), so the write needs no ordering.
 
 FP8_CACHE (an fp8 cache, `reference`'s kv_scale [4, Hkv]): K/V tiles load as e4m3 (half the
 bytes) and widen to fp16 in registers, exactly (a bf16 q tile is taken to fp16:
@@ -135,14 +135,23 @@ def _attend_kernel(q, k_cache, v_cache, q_pos, units, unit_count, kv_chunk, kv_l
     w = _take(queue, tl.program_id(0), DYNAMIC)
     while w < num_work:
         nxt = _take(queue, w + tl.num_programs(0), DYNAMIC)  # taken now: its latency under this item
-        _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_pos, o, lse,
-                     k_new, v_new, slots, kv_scale, w // HKV, w % HKV, stride_qt, stride_qh,
-                     stride_ot, stride_oh, stride_lt, stride_kt, stride_kh, stride_vt, stride_vh,
-                     scale_log2, chunk_size, window, HKV, G, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                     C_PAD, CAUSAL, SLIDING, WRITE_LSE, STORE, PRECISION, DOT_FP32, FP8_CACHE)
+        _attend_unit(q, k_cache, v_cache, q_pos, kv_chunk, kv_lo, kv_hi, kv_pos, o, lse,
+                     k_new, v_new, slots, kv_scale, _unit_head(units, w // HKV), w % HKV,
+                     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_kt, stride_kh,
+                     stride_vt, stride_vh, scale_log2, chunk_size, window, HKV, G, HEAD_DIM,
+                     BLOCK_D, BLOCK_M, BLOCK_N, C_PAD, CAUSAL, SLIDING, WRITE_LSE, STORE,
+                     PRECISION, DOT_FP32, FP8_CACHE)
         w = nxt
     if DYNAMIC:
         _release_queue(queue)
+
+
+@triton.jit
+def _unit_head(units, u):
+    """Unit u's row of the work list: (q_start, q_len, e0, e1, out, store; see `worklist`)."""
+    row = units + u * 6
+    return (tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4),
+            tl.load(row + 5))
 
 
 @triton.jit
@@ -168,30 +177,31 @@ def _release_queue(queue):
 
 
 @triton.jit
-def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_pos, o, lse,
-                 k_new, v_new, slots, kv_scale, u, h, stride_qt, stride_qh, stride_ot, stride_oh,
+def _attend_unit(q, k_cache, v_cache, q_pos, kv_chunk, kv_lo, kv_hi, kv_pos, o, lse,
+                 k_new, v_new, slots, kv_scale, unit, h, stride_qt, stride_qh, stride_ot, stride_oh,
                  stride_lt, stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, chunk_size,
                  window, HKV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  C_PAD: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
                  WRITE_LSE: tl.constexpr, STORE: tl.constexpr, PRECISION: tl.constexpr,
                  DOT_FP32: tl.constexpr, FP8_CACHE: tl.constexpr):
-    """Unit u x KV head h: the tile walk described in the module docstring."""
-    q_start = tl.load(units + u * 6)
-    q_len = tl.load(units + u * 6 + 1)
-    e0 = tl.load(units + u * 6 + 2)
-    e1 = tl.load(units + u * 6 + 3)
-    out = tl.load(units + u * 6 + 4)
+    """The unit whose header is `unit` (`_unit_head`) x KV head h: the tile walk described in
+    the module docstring."""
+    q_start, q_len, e0, e1, out, t = unit
     row_stride = HKV * HEAD_DIM  # elements per cache slot; caches are contiguous
     head_off = h * HEAD_DIM
     d = tl.arange(0, BLOCK_D)
     if FP8_CACHE:  # scores and output in the dequantized units (exact: powers of two)
         scale_log2 = scale_log2 * tl.load(kv_scale + K_SCALE_ROW * HKV + h)
-    if STORE:  # t: the row whose new key this unit holds (-1: none, and e_new -1 no entry)
-        t = tl.load(units + u * 6 + 5).to(tl.int64)
-        e_new = tl.where(t >= 0, e1 - 1, -1)  # the entry whose last slot is the new key
-        alone = tl.load(kv_hi + e1 - 1) - tl.load(kv_lo + e1 - 1) == 1
-        e1 = tl.where((t >= 0) & alone, e1 - 1, e1)
+    if STORE:  # t: the row whose new key this unit holds (-1: none; see worklist's `store`)
+        e_new = tl.where(t >= 0, e1 - 1, -1)  # the entry whose last slot is the new key, if any
+        t = tl.where(t >= -1, t, -2 - t).to(tl.int64)
+        # the new key and value and their slot: loaded now, so that their latency hides
+        # under the walk (a decode tail is a tile or two: each dependent load costs as much)
+        d_new = tl.where(t >= 0, HEAD_DIM, 0)  # its columns (none without a new key)
+        kn = tl.load(k_new + t * stride_kt + h * stride_kh + d, mask=d < d_new)
+        vn = tl.load(v_new + t * stride_vt + h * stride_vh + d, mask=d < d_new)
+        dst = tl.load(slots + tl.maximum(t, 0)) * row_stride + head_off + d  # [BLOCK_D]
 
     m = tl.arange(0, BLOCK_M)
     row, head = m // G, h * G + m % G  # [BLOCK_M]
@@ -255,26 +265,23 @@ def _attend_unit(q, k_cache, v_cache, q_pos, units, kv_chunk, kv_lo, kv_hi, kv_p
                                          DOT_FP32, FP8_CACHE and BLOCK_M <= 16)
 
     if STORE:
-        if t >= 0:  # the new key: one more online-softmax step (q_len 1: rows m < G, fp32);
-            # loaded only now, so that its registers are free during the walk, and rounded to
-            # the cache's dtype first, as the store launch writes it and later steps read it
-            kn = tl.load(k_new + t * stride_kt + h * stride_kh + d, mask=d < HEAD_DIM)
-            vn = tl.load(v_new + t * stride_vt + h * stride_vh + d, mask=d < HEAD_DIM)
+        if t >= 0:  # the new key: one more online-softmax step (q_len 1: rows m < G, fp32),
+            # rounded to the cache's dtype first, as the store launch writes it and later
+            # steps read it
             if FP8_CACHE:
-                kn = quantize_fp8(kn, tl.load(kv_scale + K_INV_ROW * HKV + h))
-                vn = quantize_fp8(vn, tl.load(kv_scale + V_INV_ROW * HKV + h))
+                kc = quantize_fp8(kn, tl.load(kv_scale + K_INV_ROW * HKV + h))
+                vc = quantize_fp8(vn, tl.load(kv_scale + V_INV_ROW * HKV + h))
             else:
-                kn, vn = kn.to(k_cache.dtype.element_ty), vn.to(v_cache.dtype.element_ty)
-            s_new = tl.sum(qt.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * scale_log2
+                kc, vc = kn.to(k_cache.dtype.element_ty), vn.to(v_cache.dtype.element_ty)
+            s_new = tl.sum(qt.to(tl.float32) * kc.to(tl.float32)[None, :], 1) * scale_log2
             m_new = tl.maximum(m_i, s_new)
             alpha = tl.exp2(m_i - m_new)
             p_new = tl.exp2(s_new - m_new)
             l_i = l_i * alpha + p_new
-            acc = acc * alpha[:, None] + p_new[:, None] * vn.to(tl.float32)[None, :]
+            acc = acc * alpha[:, None] + p_new[:, None] * vc.to(tl.float32)[None, :]
             m_i = m_new
-            dst = tl.load(slots + t) * row_stride + head_off + d  # [BLOCK_D]
-            tl.store(k_cache + dst, kn, mask=d < HEAD_DIM)
-            tl.store(v_cache + dst, vn, mask=d < HEAD_DIM)
+            tl.store(k_cache + dst, kc, mask=d < HEAD_DIM)
+            tl.store(v_cache + dst, vc, mask=d < HEAD_DIM)
 
     seen = l_i > 0.0
     o_tile = acc / tl.where(seen, l_i, 1.0)[:, None]

@@ -73,8 +73,8 @@ class TritonKernels:
                             kv_chunk=required(arrays, "kv_chunk"),
                             force_merge=padded)
         assert not (padded and any(wl.causal)), "a padded (graph) step must be a decode step"
-        stores = (wl.stores, bool(wl.stores and (wl.narrow[:, 5] >= 0).any()),
-                  bool(wl.stores and (wl.wide[:, 5] >= 0).any()))  # (any, narrow, wide)
+        stores = (wl.stores, bool(wl.stores and (wl.narrow[:, 5] != -1).any()),
+                  bool(wl.stores and (wl.wide[:, 5] != -1).any()))  # (any, narrow, wide)
         if padded:
             self._reserve_scratch(wl.num_partials)
             # (fixed in practice: decode tails are narrow units iff G <= 16)

@@ -32,10 +32,12 @@ and items are cut to about one program per SM (splits of at least 2 tiles).
 New keys (decode). In a step where every row reads only keys at or before its own position,
 each row's newest key (the one this step's store writes) is read by one unit alone: the last
 split of the row's own tail item. That unit takes the key from the step's k/v (not from the
-cache) and writes it into its slot (column `store`: the row), so the step needs no store
-launch (`stores`). Otherwise (prefill: a row's new key is read by later rows' units; or a row
-recomputes a cached token that others read) the executor stores first, and every `store` is
--1.
+cache) and writes it into its slot, so the step needs no store launch (`stores`). Column
+`store` says which row: t >= 0, the key is the last slot of the unit's last entry; -2 - t,
+that entry held the key alone and is left out of the unit (its tile would add nothing); -1,
+the unit stores none. Otherwise (prefill: a row's new key is read by later rows' units; or a
+row recomputes a cached token that others read) the executor stores first, and every `store`
+is -1.
 
 Partial rows and the merge. Every split writes its own fp32 partial rows (o, lse); the final
 merge combines them with the schedule's own merge in one pass:
@@ -134,7 +136,7 @@ class WorkList:
     merge_parts: np.ndarray | None  # [S']: scratch rows in row order; None: no merge
     direct: bool  # no merge: units write final rows (out_row indexes the output)
     causal: tuple[bool, bool]  # (narrow, wide): some row precedes one of its unit's keys
-    stores: bool  # units write every row's new key (store >= 0: that row's); no store launch
+    stores: bool  # units write every row's new key (store != -1: see the docstring); no store launch
 
 
 def _csr(counts: np.ndarray) -> np.ndarray:
@@ -299,7 +301,10 @@ def mark_stores(units: list[np.ndarray], q_start: np.ndarray, q_len: np.ndarray,
     if (reads & (entry != key_entry[key])).any():
         return False
     for u, o in zip(units, own, strict=True):
-        u[o, 5] = u[o, 0]
+        last = u[o, 3] - 1
+        alone = kv_hi[last] - kv_lo[last] == 1  # the entry holds the new key only: leave it out
+        u[o, 5] = np.where(alone, -2 - u[o, 0], u[o, 0])
+        u[o, 3] -= alone
     return True
 
 
