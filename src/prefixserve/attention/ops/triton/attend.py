@@ -201,7 +201,7 @@ def _attend_unit(q, k_cache, v_cache, q_pos, kv_chunk, kv_lo, kv_hi, kv_pos, o, 
         d_new = tl.where(t >= 0, HEAD_DIM, 0)  # its columns (none without a new key)
         kn = tl.load(k_new + t * stride_kt + h * stride_kh + d, mask=d < d_new)
         vn = tl.load(v_new + t * stride_vt + h * stride_vh + d, mask=d < d_new)
-        dst = tl.load(slots + tl.maximum(t, 0)) * row_stride + head_off + d  # [BLOCK_D]
+        dst = tl.load(slots + tl.maximum(t, 0)) * row_stride + head_off + d  # [BLOCK_D] (t -1: unused)
 
     m = tl.arange(0, BLOCK_M)
     row, head = m // G, h * G + m % G  # [BLOCK_M]

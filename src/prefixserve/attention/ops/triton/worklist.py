@@ -103,9 +103,9 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     gluon: 128-row wide launches run the Gluon kernel (`hopper.supports`), one CTA an SM that
     leaves each SM sub-partition room for one warp of NARROW_REGS_BESIDE_GLUON registers
     (`hopper.MAXNREG`). The narrow launch then fits beside it, so that the tails stream while
-    the products run: that many registers a thread, half the keys a tile (2-warp programs, 2 an SM beside the CTA), units
-    taken as programs free up (`dynamic`: programs that wait for room find the rest), 8 an SM
-    once the products end. On an H200 it took 2.5-7% off every Hydragen-grid row (kernels-
+    the products run: that many registers a thread, half the keys a tile (2-warp programs, 2
+    an SM beside the CTA), units taken as programs free up (`dynamic`: programs that wait for
+    room find the rest), 8 an SM once the products end. On an H200 it took 2.5-7% off every Hydragen-grid row (kernels-
     notes.md, issue 25 part six).
     fp8: an fp8 cache's narrow tiles are half the bytes, so a program's one tile in flight
     (2 stages) hides less of the latency: 5 stages put two in flight (the walk's index loads
@@ -136,7 +136,7 @@ class WorkList:
     merge_parts: np.ndarray | None  # [S']: scratch rows in row order; None: no merge
     direct: bool  # no merge: units write final rows (out_row indexes the output)
     causal: tuple[bool, bool]  # (narrow, wide): some row precedes one of its unit's keys
-    stores: bool  # units write every row's new key (store != -1: see the docstring); no store launch
+    stores: bool  # units write every row's new key (store != -1, see above); no store launch
 
 
 def _csr(counts: np.ndarray) -> np.ndarray:
