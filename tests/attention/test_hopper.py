@@ -87,15 +87,17 @@ CASES = [  # (dtype, Hkv, G, D, chunk, items)
 
 @pytest.mark.parametrize("dtype,hkv,g,d,chunk,items", CASES)
 @pytest.mark.parametrize("sms", [None, 3], ids=["whole-items", "split-k"])
-def test_gluon_wide_launch_matches_twin(dtype, hkv, g, d, chunk, items, sms):
+@pytest.mark.parametrize("block_m", [128, 32], ids=["two-row-groups", "one-row-group"])
+def test_gluon_wide_launch_matches_twin(dtype, hkv, g, d, chunk, items, sms, block_m):
+    """Units of 128 rows (two row warpgroups) and of 32 (one, its tiles half padding)."""
     args, rows = shared_items(len(items) + d, dtype, hkv, g, d, chunk, items)
     dev = [x.to(DEVICE) for x in args]
-    assert hopper.applies(dev[0], dev[1], 128, False, None, False)
+    assert hopper.applies(dev[0], dev[1], block_m, False, None, False)
     o_ref, lse_ref = reference.attend_items(*args, 1.0 / d**0.5, rows)
     vmax = args[2].nan_to_num(0).abs().max().float()
     results = []
     for use in (True, False):  # the Gluon kernel, then the Triton kernel it replaces
-        wide = KernelConfig(128, 64, num_stages=2, programs_per_sm=2, hopper=use)
+        wide = KernelConfig(block_m, 64, num_stages=2, programs_per_sm=2, hopper=use)
         o, lse = (x.cpu() for x in tops.attend_items(*dev, 1.0 / d**0.5, rows, sms=sms,
                                                      configs=(NARROW, wide)))
         assert not o.isnan().any() and not lse.isnan().any()
@@ -109,27 +111,32 @@ def test_gluon_wide_launch_matches_twin(dtype, hkv, g, d, chunk, items, sms):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_decode_step_with_gluon_wide_units(dtype):
-    """A decode step whose shared prefix makes 128-row wide units: relay and hydragen run
-    them in the Gluon kernel, beside the narrow units (Triton) that write the new keys -- in
-    the shape that fits beside it, taking units from a counter; paged (narrow units only)
-    runs Triton alone. The three agree, the cache holds the new keys after each, and a second
-    run gives the same output (the counter is back at 0)."""
+@pytest.mark.parametrize("batch,kv_heads,block_m", [(96, 4, 128), (24, 16, 32)],
+                         ids=["two-row-groups", "one-row-group"])
+def test_decode_step_with_gluon_wide_units(dtype, batch, kv_heads, block_m):
+    """A decode step whose shared prefix makes wide units (128 rows: 96 sequences x G 4; 32:
+    24 x G 1): relay and hydragen run them in the Gluon kernel, beside the narrow units
+    (Triton) that write the new keys -- at 128 rows in the shape that fits beside it, taking
+    units from a counter; paged (narrow units only) runs Triton alone. The three agree, the
+    cache holds the new keys after each, and a second run gives the same output (the counter
+    is back at 0)."""
     from prefixserve.attention.backends.hydragen import HydragenBackend
     from prefixserve.attention.backends.paged import PagedBackend
     from prefixserve.attention.backends.relay import RelayBackend
     from prefixserve.bench.kernels.rows import Workload, build
 
     name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
-    row = build(Workload("test", 96, 16, 4, 128, 700, (512,), 64, name, groups=4), DEVICE)
+    row = build(Workload("test", batch, 16, kv_heads, 128, 700, (512,), 64, name, groups=4), DEVICE)
     outs = {}
     for cls in (PagedBackend, RelayBackend, HydragenBackend):
         be = cls(row.shape, kernels=tops.TritonKernels(row.shape))
         be.plan(row.batch)
         x = be.current.extra
-        if cls is not PagedBackend:  # Gluon applies: 128-row wide units, stores folded
-            assert x["stores"] and x["wide_block_m"] == 128 and x["narrow_programs"] > 0
-            assert x["narrow_dynamic"] and x["narrow_maxnreg"] == NARROW_REGS_BESIDE_GLUON
+        if cls is not PagedBackend:  # Gluon applies, stores folded
+            assert x["stores"] and x["wide_block_m"] == block_m and x["narrow_programs"] > 0
+            beside = block_m == 128
+            assert x["narrow_dynamic"] == beside
+            assert x["narrow_maxnreg"] == (NARROW_REGS_BESIDE_GLUON if beside else 0)
             # a sub-partition's 512 registers a warp-thread: 3 of the CTA's warps and 1 narrow warp
             assert 3 * hopper.MAXNREG + NARROW_REGS_BESIDE_GLUON <= 512
         k_cache, v_cache = row.k_cache.clone(), row.v_cache.clone()

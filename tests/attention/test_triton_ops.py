@@ -368,10 +368,13 @@ def test_splits_only_where_they_end_the_launch_sooner():
 
 def test_narrow_launch_shapes_beside_the_gluon_kernel_and_over_fp8():
     # 128-row wide launches on the Gluon kernel: the narrow launch fits beside its CTA (capped
-    # registers, units from a counter); Triton's 32-row wide tiles (Table 3) leave it as it was
+    # registers, units from a counter); at 32 rows (Table 3, one row warpgroup) it keeps its
+    # shape, and the wide launch's splits target the kernel's one CTA an SM
     narrow, wide = choose_configs(4096, 128, 2, gluon=True)
     assert wide.block_m == 128 and narrow.dynamic and narrow.maxnreg == NARROW_REGS_BESIDE_GLUON
-    assert choose_configs(32, 128, 2, gluon=True) == choose_configs(32, 128, 2)
+    (narrow, wide), (narrow_triton, wide_triton) = (choose_configs(32, 128, 2, gluon=g) for g in (True, False))
+    assert narrow == narrow_triton and wide.block_m == wide_triton.block_m == 32
+    assert (wide.programs_per_sm, wide_triton.programs_per_sm) == (1, 4)
     assert choose_configs(4096, 128, 2, gluon=False)[0] == choose_configs(32, 128, 2)[0]
     # an fp8 cache (never the Gluon kernel's): two half-size tiles in flight
     fp8 = choose_configs(4096, 128, 2, fp8=True)[0]

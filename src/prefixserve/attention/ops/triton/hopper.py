@@ -1,32 +1,36 @@
 """The wide attend launch on Hopper (sm_90), in Gluon: TMA loads, wgmma, warp specialization.
 
 The same function as `attend._attend_kernel` over the wide units of a decode step (twin:
-`ops.reference.attend_items`), for the shape that dominates shared-prefix decoding: 128-row
-units (R query rows x G heads) against a long run of 16-bit K/V chunks. Triton 3.6 cannot
-express this structure on Hopper (issue 5); Gluon can. One persistent CTA per SM, three
-partitions over the same sequence of work items p, p + P, ... of the U units x Hkv heads,
-head-major (item w: unit w % U, KV head w // U), so that the units of a head (the same K/V
-tiles) run in the same wave and a tile comes from DRAM about once, not once per few CTAs
-(Llama-2-7B dims, 1,024 x 16K: the launch 6% faster, the end-to-end step 2%; with 8 KV heads,
-within +-2%: kernels-notes.md, issue 25 part seven):
+`ops.reference.attend_items`), for the shape that dominates shared-prefix decoding: units of up
+to 128 rows (R query rows x G heads) against a long run of 16-bit K/V chunks. Triton 3.6
+cannot express this structure on Hopper (issue 5); Gluon can. One persistent CTA per SM, three
+partitions (two where no unit holds more than 64 rows) over the same sequence of work items
+p, p + P, ... of the U units x Hkv heads, head-major (item w: unit w % U, KV head w // U), so
+that the units of a head (the same K/V tiles) run in the same wave and a tile comes from DRAM
+about once, not once per few CTAs (Llama-2-7B dims, 1,024 x 16K: the launch 6% faster, the
+end-to-end step 2%; with 8 KV heads, within +-2%: kernels-notes.md, issue 25 part seven):
 
     load      1 warp    TMA: each K and V tile [BLOCK_N, D] of the unit's entries into a
                         STAGES-deep ring (k_ready / v_ready: one mbarrier each per stage)
     rows 0-63  4 warps  (the default partition) and
-    rows 64-127 4 warps one warpgroup each: Q tile [64, D] in shared memory, S = Q K^T
-                        (wgmma, async), mask, online softmax in base 2, O += P V (P from
-                        registers), then release the stage (empty: 2 arrivals);
+    rows 64-127 4 warps one warpgroup each (in launches of units of > 64 rows): Q tile
+                        [64, D] in shared memory, S = Q K^T (wgmma, async), mask, online
+                        softmax in base 2, O += P V (P from registers), then release the
+                        stage (empty: an arrival per row warpgroup);
                         software-pipelined as FlashAttention-3 within a warpgroup: the
                         scores and softmax of tile j + 1 run while tile j's P V is on the
                         tensor cores
 
-The two row warpgroups share every K/V tile but never wait for each other: while one runs
+Two row warpgroups share every K/V tile but never wait for each other: while one runs
 its softmax the other's products keep the tensor cores busy (FlashAttention-3's ping-pong,
-left to the warp schedulers: issuing in strict turns measured 0-2% slower). A warpgroup whose
-rows are all padding (a unit of <= 64 rows) only waits for its stages and releases them.
+left to the warp schedulers: issuing in strict turns measured 0-2% slower). A second warpgroup
+whose rows are all padding (a unit of <= 64 rows in a launch of larger ones) only waits for
+its stages and releases them. A launch whose units all hold <= 64 rows (Table 3's 32: the
+same shared keys under few sequences) runs one row warpgroup: on an H200 its all-shared rows
+took 2-20% less time than the Triton kernel's 32-row tiles (issue 25 part eight).
 The CTA leaves room beside it (`MAXNREG`): the narrow launch's programs (the decode tails)
 run on the same SMs while the products do, rather than after them.
-Measurements and what was tried: benchmarks/kernels-notes.md, issue 25 parts two and six.
+Measurements and what was tried: benchmarks/kernels-notes.md, issue 25 parts two to eight.
 
 Tiles: the cache is viewed as [chunks * C, Hkv * D]; tile j of entry e is rows
 kv_chunk[e] * C + (j % TPE) * BLOCK_N, + BLOCK_N (TPE = C // BLOCK_N tiles per entry, so a
@@ -39,7 +43,7 @@ Taken only where it applies (`applies`), on the Triton it is tested on
 (`attend.hopper_module`): CUDA compute capability 9.x, fp16 / bf16 cache and
 queries, D 64 or 128 (at 256 the pipelined loop spills), C a power of two >= BLOCK_N, no
 position mask (decode: every row sees every key of its units), no sliding window, no stored
-new key (wide units store one only when G > 16), 128-row wide units.
+new key (wide units store one only when G > 16), wide units of at most 128 rows.
 Elsewhere `attend` runs the Triton kernel. Gluon does not run in Triton's interpreter: this
 kernel is tested on the GPU against the twin (tests/attention/test_hopper.py).
 """
@@ -60,14 +64,14 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .worklist import NARROW_REGS_BESIDE_GLUON
 
-BLOCK_M = 128  # rows of a unit: two warpgroups of 64
+BLOCK_M = 128  # rows of a unit at most: two warpgroups of 64
 BLOCK_N = 64  # keys per K/V tile (128-key tiles of two chunks, 2 stages: 0.83-0.87x the speed)
 STAGES = 3  # K/V ring depth, 3 x 32 KiB + Q 32 KiB at D 128 (4: 0-6% slower, 2: 20-30%)
-# x 384 threads: the CTA's registers. Each of the SM's four sub-partitions holds 16K registers
-# (512 a thread of each of its warps) and 3 of this CTA's warps; what they leave takes one warp
+# x 384 threads (256 with one row warpgroup): the CTA's registers. Each of the SM's four
+# sub-partitions holds 16K registers (512 a thread of each of its warps) and 3 of this CTA's warps; what they leave takes one warp
 # of the narrow launch that `worklist.choose_configs` shapes to fit beside it, so that the
 # decode tails stream while the products run (at 168, the whole file, they ran after them).
-# 128: the row warpgroups get 176 (24 bytes of spills; 240 at 168, none).
+# 128: the row warpgroups get 176 (24 bytes of spills; 240 at 168, none); one gets 232.
 MAXNREG = (512 - NARROW_REGS_BESIDE_GLUON) // 3 // 8 * 8
 
 
@@ -75,7 +79,7 @@ def applies(q: torch.Tensor, k_cache: torch.Tensor, block_m: int, causal: bool,
             window: int | None, stores: bool) -> bool:
     """Whether `launch` can run this wide launch (see the module docstring)."""
     return (supports(q.device, q.dtype, k_cache.dtype, q.shape[-1], k_cache.shape[1])
-            and block_m == BLOCK_M and not causal and window is None and not stores)
+            and block_m <= BLOCK_M and not causal and window is None and not stores)
 
 
 def supports(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
@@ -315,9 +319,9 @@ def _wide_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, scale_log2, chunk_size,
                  HKV: gl.constexpr, G: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BLOCK_N: gl.constexpr, TPE: gl.constexpr, STAGES: gl.constexpr,
-                 WRITE_LSE: gl.constexpr, ROWS_REGS: gl.constexpr):
+                 WRITE_LSE: gl.constexpr, ROWS_REGS: gl.constexpr, ROW_GROUPS: gl.constexpr):
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], q.dtype.element_ty)
-    q_smem = gl.allocate_shared_memory(q.dtype.element_ty, [2, 64, HEAD_DIM], q_layout)
+    q_smem = gl.allocate_shared_memory(q.dtype.element_ty, [ROW_GROUPS, 64, HEAD_DIM], q_layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -326,25 +330,35 @@ def _wide_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per row warpgroup
-    gl.warp_specialize([
-        (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, q_smem.index(0), k_bufs,
-                           v_bufs, k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot,
-                           stride_oh, stride_lt, scale_log2, 0, HKV, G, HEAD_DIM, BLOCK_N, TPE,
-                           WRITE_LSE)),
-        (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, q_smem.index(1), k_bufs,
-                           v_bufs, k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot,
-                           stride_oh, stride_lt, scale_log2, 1, HKV, G, HEAD_DIM, BLOCK_N, TPE,
-                           WRITE_LSE)),
-        (_load_partition, (units, unit_count, kv_chunk, k_desc, v_desc, k_bufs, v_bufs, k_ready,
-                           v_ready, empty, chunk_size, HKV, HEAD_DIM, BLOCK_N, TPE)),
-    ], [4, 1], [ROWS_REGS, 24])
+        mbarrier.init(empty.index(i), count=ROW_GROUPS)  # one arrival per row warpgroup
+    if ROW_GROUPS == 1:  # units of <= 64 rows: one row warpgroup and the load warp
+        gl.warp_specialize([
+            (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, q_smem.index(0), k_bufs,
+                               v_bufs, k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot,
+                               stride_oh, stride_lt, scale_log2, 0, HKV, G, HEAD_DIM, BLOCK_N,
+                               TPE, WRITE_LSE)),
+            (_load_partition, (units, unit_count, kv_chunk, k_desc, v_desc, k_bufs, v_bufs,
+                               k_ready, v_ready, empty, chunk_size, HKV, HEAD_DIM, BLOCK_N, TPE)),
+        ], [1], [24])
+    else:
+        gl.warp_specialize([
+            (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, q_smem.index(0), k_bufs,
+                               v_bufs, k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot,
+                               stride_oh, stride_lt, scale_log2, 0, HKV, G, HEAD_DIM, BLOCK_N, TPE,
+                               WRITE_LSE)),
+            (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, q_smem.index(1), k_bufs,
+                               v_bufs, k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot,
+                               stride_oh, stride_lt, scale_log2, 1, HKV, G, HEAD_DIM, BLOCK_N, TPE,
+                               WRITE_LSE)),
+            (_load_partition, (units, unit_count, kv_chunk, k_desc, v_desc, k_bufs, v_bufs, k_ready,
+                               v_ready, empty, chunk_size, HKV, HEAD_DIM, BLOCK_N, TPE)),
+        ], [4, 1], [ROWS_REGS, 24])
 
 
 def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
            count: torch.Tensor, kv_chunk: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
            scale: float, o: torch.Tensor, lse: torch.Tensor | None, programs: int,
-           maxnreg: int = MAXNREG) -> None:
+           block_m: int = BLOCK_M, maxnreg: int = MAXNREG) -> None:
     """`attend.launch_units` for a launch that `applies`: the first count[0] units on a
     persistent grid of `programs` CTAs (at most one per SM: its shared memory and `maxnreg`
     registers a thread leave room for narrow programs only, not a second CTA)."""
@@ -354,15 +368,17 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], dtype)
     k_desc, v_desc = (TensorDescriptor(c, [n_chunks * chunk_size, hkv * d], [hkv * d, 1],
                                        [BLOCK_N, d], layout) for c in (k_cache, v_cache))
+    groups = 1 if block_m <= 64 else 2
     _wide_kernel[(programs,)](
         q, units, count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o, o if lse is None else lse,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), 0 if lse is None else lse.stride(0),
         scale * 1.4426950408889634, chunk_size, HKV=hkv, G=g, HEAD_DIM=d, BLOCK_N=BLOCK_N,
         TPE=chunk_size // BLOCK_N, STAGES=STAGES, WRITE_LSE=lse is not None,
-        ROWS_REGS=rows_regs(maxnreg), num_warps=4, maxnreg=maxnreg)
+        ROWS_REGS=rows_regs(maxnreg, groups), ROW_GROUPS=groups, num_warps=4, maxnreg=maxnreg)
 
 
-def rows_regs(maxnreg: int) -> int:
-    """Registers of a row warpgroup's thread when the CTA (384 threads) holds `maxnreg` a
-    thread: what the 1-warp load partition's warpgroup (24 a thread) leaves, in steps of 8."""
-    return min(240, (maxnreg * 384 - 24 * 128) // 256 // 8 * 8)
+def rows_regs(maxnreg: int, groups: int = 2) -> int:
+    """Registers of a row warpgroup's thread when the CTA (`groups` row warpgroups and the
+    load partition's, 128 threads each) holds `maxnreg` a thread: what the 1-warp load
+    partition's warpgroup (24 a thread) leaves, in steps of 8."""
+    return min(240, (maxnreg * 128 * (groups + 1) - 24 * 128) // (128 * groups) // 8 * 8)

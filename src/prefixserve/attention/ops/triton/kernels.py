@@ -61,7 +61,8 @@ class TritonKernels:
         wide_rows = q_len[q_len * self.group > NARROW_ROWS]
         # a graph's launch shapes are fixed by its row count (an item holds at most all rows)
         rows_hint = (batch.padded.rows if batch.padded else int(wide_rows.max(initial=0))) * self.group
-        gluon = _gluon_wide(s, batch.chunk_size)
+        # a step with prefill rows has causal wide units: the Triton kernel runs them
+        gluon = _gluon_wide(s, batch.chunk_size) and _decode(batch)
         configs = self.configs or choose_configs(rows_hint, s.head_dim, s.dtype.itemsize, gluon,
                                                  fp8=s.kv_itemsize == 1)
         wl = build_worklist(required(arrays, "item_q_start"), q_len, required(arrays, "item_out_start"),
@@ -144,12 +145,17 @@ class TritonKernels:
 
 
 def _gluon_wide(shape: AttentionShape, chunk_size: int) -> bool:
-    """Whether this shape's 128-row decode wide launches run the Gluon kernel."""
+    """Whether this shape's decode wide launches run the Gluon kernel."""
     if torch.device(shape.device).type != "cuda":
         return False
     hopper = hopper_module()
     return hopper is not None and hopper.supports(shape.device, shape.dtype, shape.kv_dtype or shape.dtype,
                                                   shape.head_dim, chunk_size)
+
+
+def _decode(batch: AttentionBatch) -> bool:
+    """Whether every sequence of the step has one query row (its new token)."""
+    return batch.advance or batch.padded is not None or batch.num_tokens == len(batch.seqs)
 
 
 def _int(x: DeviceExtras, name: str) -> int:
