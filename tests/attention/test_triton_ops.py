@@ -230,6 +230,28 @@ def test_dynamic_launches_match_dense_run_after_run(prefill):
         assert not kernels.queues.any()
 
 
+def test_only_decode_steps_take_the_gluon_launch_shapes(monkeypatch):
+    """Where the Gluon wide kernel runs (made to seem so here: the CPU has none), a decode
+    step's launches take the shapes chosen for it (24 sequences under a shared prefix: 32-row
+    wide units); a step with prefill rows has causal wide units, which the Triton kernel runs,
+    and keeps the Triton kernel's shapes."""
+    from prefixserve.bench.kernels.rows import Workload, build
+
+    monkeypatch.setattr("prefixserve.attention.ops.triton.kernels._gluon_wide", lambda shape, chunk_size: True)
+    decode = build(Workload("test", 24, 16, 16, 64, 300, (256,), 16, "float16"), torch.device("cpu"))
+    prefill = tree_case(5, torch.float16, 64, 3, 16, True)
+    for case, gluon_shapes, block_m in ((decode, True, 32), (prefill, False, 128)):
+        kernels = tops.TritonKernels(case.shape, sms=3)
+        backend = RelayBackend(case.shape, kernels=kernels)
+        backend.plan(case.batch)
+        x = backend.current.extra
+        assert x["wide_programs"] > 0 and x["wide_block_m"] == block_m
+        gluon, triton = (choose_configs(block_m, 64, 2, gluon=g) for g in (True, False))
+        assert gluon != triton
+        chosen = (kernels.launch_config(x, "narrow"), kernels.launch_config(x, "wide"))
+        assert chosen == (gluon if gluon_shapes else triton)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_units_that_store_use_the_new_keys_as_the_cache_holds_them(dtype):
     """New keys given in fp32, between two values of the cache's dtype: the units that write
