@@ -39,9 +39,11 @@ from prefixserve.attention.ops import reference  # noqa: E402
 from prefixserve.attention.ops import triton as tops  # noqa: E402
 from prefixserve.attention.ops.triton.worklist import (  # noqa: E402
     NARROW_REGS_BESIDE_GLUON,
+    NARROW_ROWS,
     KernelConfig,
     build_worklist,
     choose_configs,
+    items_need_causal,
 )
 from prefixserve.attention.plan import index_arrays  # noqa: E402
 from prefixserve.attention.schedule import SCHEDULES  # noqa: E402
@@ -230,11 +232,11 @@ def test_dynamic_launches_match_dense_run_after_run(prefill):
         assert not kernels.queues.any()
 
 
-def test_only_decode_steps_take_the_gluon_launch_shapes(monkeypatch):
+def test_launch_shapes_follow_the_kernel_that_runs_the_wide_units(monkeypatch):
     """Where the Gluon wide kernel runs (made to seem so here: the CPU has none), a decode
     step's launches take the shapes chosen for it (24 sequences under a shared prefix: 32-row
-    wide units); a step with prefill rows has causal wide units, which the Triton kernel runs,
-    and keeps the Triton kernel's shapes."""
+    wide units); a step with prefill rows in its wide units needs the position mask, which
+    only the Triton kernel has, and keeps the Triton kernel's shapes."""
     from prefixserve.bench.kernels.rows import Workload, build
 
     monkeypatch.setattr("prefixserve.attention.ops.triton.kernels._gluon_wide", lambda shape, chunk_size: True)
@@ -321,6 +323,30 @@ def _random_items(rng: np.random.Generator, merge: bool):
     final = rng.integers(0, num_rows, int(q_len.sum()))
     indptr = np.concatenate([[0], np.cumsum(np.bincount(final, minlength=num_rows))])
     return q_start, q_len, out_start, kv_indptr, num_rows, indptr, np.argsort(final, kind="stable")
+
+
+def test_items_need_the_position_mask_as_their_units_do():
+    """`items_need_causal` (asked before the items are cut, to choose the launch shapes)
+    answers as the units' `needs_causal` does, per launch class, both ways."""
+    answers = set()
+    for seed in range(12):
+        rng = np.random.default_rng(seed)
+        q_start, q_len, out_start, kv_indptr, num_rows, _, _ = _random_items(rng, False)
+        n_rows, n_entries = int((q_start + q_len).max()), int(kv_indptr[-1])
+        q_pos = rng.integers(150, 400, n_rows)  # keys at 0-199 + up to 8 slots: some rows precede some
+        kv_lo = rng.integers(0, 8, n_entries)
+        kv_hi = kv_lo + rng.integers(1, 9, n_entries)
+        kv_pos = rng.integers(0, 200, n_entries)
+        cfgs = (KernelConfig(16, 32), KernelConfig(64, 32))
+        wl = build_worklist(q_start, q_len, out_start, kv_indptr, num_rows, None, None, cfgs, group=2,
+                            num_kv_heads=2, chunk_size=16, itemsize=2, num_sms=3,
+                            positions=[q_pos, kv_pos, kv_lo, kv_hi])
+        wide = q_len * 2 > NARROW_ROWS
+        for cls, select in enumerate((~wide, wide)):
+            answer = items_need_causal(q_start, q_len, kv_indptr, select, q_pos, kv_pos, kv_lo, kv_hi)
+            assert answer == wl.causal[cls], (seed, cls)
+            answers.add(answer)
+    assert answers == {False, True}
 
 
 @pytest.mark.parametrize("merge", [False, True])

@@ -25,7 +25,7 @@ from ...plan import DeviceExtras, DevicePlan, HostArrays, HostExtras, required
 from .attend import Launch, grid_size, hopper_module, launch_worklist, num_sms
 from .merge import merge_rows
 from .store import store_kv
-from .worklist import NARROW_ROWS, KernelConfig, build_worklist, choose_configs
+from .worklist import NARROW_ROWS, KernelConfig, build_worklist, choose_configs, items_need_causal
 
 _SHAPE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "programs_per_sm", "hopper", "maxnreg",
                "dynamic")
@@ -61,8 +61,13 @@ class TritonKernels:
         wide_rows = q_len[q_len * self.group > NARROW_ROWS]
         # a graph's launch shapes are fixed by its row count (an item holds at most all rows)
         rows_hint = (batch.padded.rows if batch.padded else int(wide_rows.max(initial=0))) * self.group
-        # a step with prefill rows has causal wide units: the Triton kernel runs them
-        gluon = _gluon_wide(s, batch.chunk_size) and _decode(batch)
+        # the shapes of the kernel that will run the wide units: Gluon's takes no position
+        # mask (prefill rows, a window): the Triton kernel runs those
+        positions = [required(arrays, f) for f in ("q_pos", "kv_pos", "kv_lo", "kv_hi")]
+        gluon = (_gluon_wide(s, batch.chunk_size) and not batch.windowed
+                 and not items_need_causal(required(arrays, "item_q_start"), q_len,
+                                           required(arrays, "item_kv_indptr"),
+                                           q_len * self.group > NARROW_ROWS, *positions))
         configs = self.configs or choose_configs(rows_hint, s.head_dim, s.dtype.itemsize, gluon,
                                                  fp8=s.kv_itemsize == 1)
         wl = build_worklist(required(arrays, "item_q_start"), q_len, required(arrays, "item_out_start"),
@@ -70,7 +75,7 @@ class TritonKernels:
                             arrays["row_indptr"], arrays["row_parts"], configs, group=self.group,
                             num_kv_heads=s.num_kv_heads, chunk_size=batch.chunk_size,
                             itemsize=s.kv_itemsize, num_sms=self.sms,
-                            positions=[required(arrays, f) for f in ("q_pos", "kv_pos", "kv_lo", "kv_hi")],
+                            positions=positions,
                             kv_chunk=required(arrays, "kv_chunk"),
                             force_merge=padded)
         assert not (padded and any(wl.causal)), "a padded (graph) step must be a decode step"
@@ -151,11 +156,6 @@ def _gluon_wide(shape: AttentionShape, chunk_size: int) -> bool:
     hopper = hopper_module()
     return hopper is not None and hopper.supports(shape.device, shape.dtype, shape.kv_dtype or shape.dtype,
                                                   shape.head_dim, chunk_size)
-
-
-def _decode(batch: AttentionBatch) -> bool:
-    """Whether every sequence of the step has one query row (its new token)."""
-    return batch.advance or batch.padded is not None or batch.num_tokens == len(batch.seqs)
 
 
 def _int(x: DeviceExtras, name: str) -> int:

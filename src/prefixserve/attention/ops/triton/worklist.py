@@ -100,8 +100,8 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     than 2; 64 keys took 10-28% less time than 32, v6). Fewer rows than a tile: the next
     power of two (Table 3's 32 rows), as a tile's padding rows cost full products. A 128-row
     program's registers leave room for 2 per SM: its grid targets those 2.
-    gluon: the step's wide launches run the Gluon kernel (`hopper.supports`, a decode step),
-    one CTA an SM. At 128 rows it leaves each SM sub-partition room for one warp of
+    gluon: the step's wide launch runs the Gluon kernel (`hopper.supports`, and no position
+    mask: decode), one CTA an SM. At 128 rows it leaves each SM sub-partition room for one warp of
     NARROW_REGS_BESIDE_GLUON registers (`hopper.MAXNREG`); the narrow launch then fits beside
     it, so that the tails stream while the products run: that many registers a thread, half
     the keys a tile (2-warp programs, 2 an SM beside the CTA), units taken as programs free up
@@ -264,6 +264,19 @@ def needs_causal(units: np.ndarray, q_pos: npt.ArrayLike, kv_pos: npt.ArrayLike,
     row_min = _range_reduce(np.minimum, np.asarray(q_pos, np.int64), units[:, 0],
                             units[:, 0] + units[:, 1])
     return bool((key_max > row_min).any())
+
+
+def items_need_causal(q_start: npt.ArrayLike, q_len: npt.ArrayLike, kv_indptr: npt.ArrayLike,
+                      select: npt.ArrayLike, q_pos: npt.ArrayLike, kv_pos: npt.ArrayLike,
+                      kv_lo: npt.ArrayLike, kv_hi: npt.ArrayLike) -> bool:
+    """`needs_causal` of the launch that will hold the selected items' units, before they are
+    cut: a unit pairs a block of its item's rows with a split of its entries, so some unit
+    needs the mask iff its item does."""
+    kv_indptr = np.asarray(kv_indptr, np.int64)
+    items = np.stack([np.asarray(q_start, np.int64), np.asarray(q_len, np.int64), kv_indptr[:-1],
+                      kv_indptr[1:]], 1)[np.asarray(select, bool)]
+    items = items[(items[:, 1] > 0) & (items[:, 3] > items[:, 2])]  # (nothing to mask)
+    return needs_causal(items, q_pos, kv_pos, kv_lo, kv_hi)
 
 
 def mark_stores(units: list[np.ndarray], q_start: np.ndarray, q_len: np.ndarray,
