@@ -67,11 +67,13 @@ from .worklist import NARROW_REGS_BESIDE_GLUON
 BLOCK_M = 128  # rows of a unit at most: two warpgroups of 64
 BLOCK_N = 64  # keys per K/V tile (128-key tiles of two chunks, 2 stages: 0.83-0.87x the speed)
 STAGES = 3  # K/V ring depth, 3 x 32 KiB + Q 32 KiB at D 128 (4: 0-6% slower, 2: 20-30%)
-# x 384 threads (256 with one row warpgroup): the CTA's registers. Each of the SM's four
-# sub-partitions holds 16K registers (512 a thread of each of its warps) and 3 of this CTA's warps; what they leave takes one warp
+# x 384 threads: the CTA's registers. Each of the SM's four sub-partitions holds 16K registers
+# (512 a thread of each of its warps) and 3 of this CTA's warps; what they leave takes one warp
 # of the narrow launch that `worklist.choose_configs` shapes to fit beside it, so that the
 # decode tails stream while the products run (at 168, the whole file, they ran after them).
-# 128: the row warpgroups get 176 (24 bytes of spills; 240 at 168, none); one gets 232.
+# 128: the row warpgroups get 176 (24 bytes of spills; 240 at 168, none). With one row
+# warpgroup (256 threads, 2 warps a sub-partition) it gets 232, and a sub-partition has room
+# for one warp of the narrow launch's own shape (255 registers).
 MAXNREG = (512 - NARROW_REGS_BESIDE_GLUON) // 3 // 8 * 8
 
 
