@@ -62,9 +62,11 @@ class TritonKernels:
         # a graph's launch shapes are fixed by its row count (an item holds at most all rows)
         rows_hint = (batch.padded.rows if batch.padded else int(wide_rows.max(initial=0))) * self.group
         # the shapes of the kernel that will run the wide units: Gluon's takes no position
-        # mask (prefill rows, a window): the Triton kernel runs those
+        # mask (prefill rows, a window) and stores no new key (G > NARROW_ROWS: the decode
+        # tails are wide units): the Triton kernel runs those
         positions = [required(arrays, f) for f in ("q_pos", "kv_pos", "kv_lo", "kv_hi")]
         gluon = (_gluon_wide(s, batch.chunk_size) and not batch.windowed
+                 and self.group <= NARROW_ROWS
                  and not items_need_causal(required(arrays, "item_q_start"), q_len,
                                            required(arrays, "item_kv_indptr"),
                                            q_len * self.group > NARROW_ROWS, *positions))
