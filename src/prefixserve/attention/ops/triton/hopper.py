@@ -376,11 +376,12 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), 0 if lse is None else lse.stride(0),
         scale * 1.4426950408889634, chunk_size, HKV=hkv, G=g, HEAD_DIM=d, BLOCK_N=BLOCK_N,
         TPE=chunk_size // BLOCK_N, STAGES=STAGES, WRITE_LSE=lse is not None,
-        ROWS_REGS=rows_regs(maxnreg, groups), ROW_GROUPS=groups, num_warps=4, maxnreg=maxnreg)
+        ROWS_REGS=rows_regs(maxnreg), ROW_GROUPS=groups, num_warps=4, maxnreg=maxnreg)
 
 
-def rows_regs(maxnreg: int, groups: int = 2) -> int:
-    """Registers of a row warpgroup's thread when the CTA (`groups` row warpgroups and the
-    load partition's, 128 threads each) holds `maxnreg` a thread: what the 1-warp load
-    partition's warpgroup (24 a thread) leaves, in steps of 8."""
-    return min(240, (maxnreg * 128 * (groups + 1) - 24 * 128) // (128 * groups) // 8 * 8)
+def rows_regs(maxnreg: int) -> int:
+    """Registers of the second row warpgroup's thread when the CTA (384 threads) holds
+    `maxnreg` a thread: what the 1-warp load partition's warpgroup (24 a thread) leaves, in
+    steps of 8. (With one row warpgroup Triton gives the default partition what the load
+    partition leaves: 232 at 128.)"""
+    return min(240, (maxnreg * 384 - 24 * 128) // 256 // 8 * 8)

@@ -100,17 +100,17 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     than 2; 64 keys took 10-28% less time than 32, v6). Fewer rows than a tile: the next
     power of two (Table 3's 32 rows), as a tile's padding rows cost full products. A 128-row
     program's registers leave room for 2 per SM: its grid targets those 2.
-    gluon: the step's wide launch runs the Gluon kernel (`hopper.supports`, and no position
-    mask: decode), one CTA an SM. At 128 rows it leaves each SM sub-partition room for one warp of
-    NARROW_REGS_BESIDE_GLUON registers (`hopper.MAXNREG`); the narrow launch then fits beside
-    it, so that the tails stream while the products run: that many registers a thread, half
-    the keys a tile (2-warp programs, 2 an SM beside the CTA), units taken as programs free up
-    (`dynamic`: programs that wait for room find the rest), 8 an SM once the products end. On
-    an H200 it took 2.5-7% off every Hydragen-grid row (kernels-notes.md, issue 25 part six).
-    Fewer rows (one row warpgroup): its grid and splits target its one CTA an SM, and the
-    narrow launch keeps its own shape (the shape beside the 128-row CTA made Table 3's rows with
-    tails 13-24% slower). On an H200: Table 3's all-shared rows 2-20% faster, the rows with
-    tails within +-1.5% (issue 25 part eight).
+    gluon: the step's wide launch runs the Gluon kernel (`hopper.applies`: a decode step
+    whose wide units store no new key), one CTA an SM. At 128 rows it leaves each SM
+    sub-partition room for one warp of NARROW_REGS_BESIDE_GLUON registers (`hopper.MAXNREG`);
+    the narrow launch then fits beside it, so that the tails stream while the products run:
+    that many registers a thread, half the keys a tile (2-warp programs, 2 an SM beside the
+    CTA), units taken as programs free up (`dynamic`: programs that wait for room find the
+    rest), 8 an SM once the products end. On an H200 it took 2.5-7% off every Hydragen-grid
+    row (kernels-notes.md, issue 25 part six). Fewer rows (one row warpgroup): its grid and
+    splits target its one CTA an SM, and the narrow launch keeps its own shape (the shape
+    beside the 128-row CTA made Table 3's rows with tails 13-24% slower). On an H200: Table
+    3's all-shared rows 2-20% faster, the rows with tails within +-1.5% (issue 25 part eight).
     fp8: an fp8 cache's narrow tiles are half the bytes, so a program's one tile in flight
     (2 stages) hides less of the latency: 5 stages put two in flight (the walk's index loads
     take the first stages), at half the keys a tile. On an H200: Table 3's fp8 rows with
