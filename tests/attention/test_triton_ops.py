@@ -30,6 +30,7 @@ if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' modules import triton
 pytest.importorskip("triton")
 
+from prefixserve.attention import ops  # noqa: E402
 from prefixserve.attention.backends.chunk import ChunkBackend  # noqa: E402
 from prefixserve.attention.backends.hydragen import HydragenBackend  # noqa: E402
 from prefixserve.attention.backends.paged import PagedBackend  # noqa: E402
@@ -254,6 +255,38 @@ def test_launch_shapes_follow_the_kernel_that_runs_the_wide_units(monkeypatch):
         assert gluon != triton
         chosen = (kernels.launch_config(x, "narrow"), kernels.launch_config(x, "wide"))
         assert chosen == (gluon if gluon_shapes else triton)
+
+
+def test_plans_take_the_row_walk_for_one_row_decode_tails(monkeypatch):
+    """Where the Gluon row walk runs (made to seem so here), a decode step of G 1 takes its
+    narrow shape unless a wide launch of <= 64 rows runs beside it: paged (no wide units) and
+    relay over 96 sequences (128-row units) take it, relay over 24 (32-row units) does not;
+    prefill rows (the position mask) and G 2 never do. The same output as the twin: on the CPU
+    from the Triton kernel in the walk's shape (`hopper_rows.applies` is false there), on a
+    Hopper GPU from the walk."""
+    from prefixserve.bench.kernels.rows import Workload, build
+
+    monkeypatch.setattr("prefixserve.attention.ops.triton.kernels._gluon_rows", lambda shape: True)
+    walk = choose_configs(0, 64, 2, walk=True)[0]
+    assert walk.walk and walk.dynamic and walk.block_n == 32 and walk.num_warps == 1
+    assert choose_configs(4096, 128, 1, fp8=True, walk=True)[0].block_n == 32
+    assert not choose_configs(32, 64, 2, gluon=True, walk=True)[0].walk
+    cases = [(build(Workload("test", b, 4, 4, 64, 300, (256,), 16, "float16"), DEVICE), cls, on)
+             for b, cls, on in ((24, PagedBackend, True), (96, RelayBackend, True), (24, RelayBackend, False))]
+    cases += [(tree_case(5, torch.float16, 64, 1, 16, True), RelayBackend, False),
+              (build(Workload("test", 24, 8, 4, 64, 300, (256,), 16, "float16"), DEVICE), PagedBackend, False)]
+    for case, cls, on in cases:
+        backend = cls(case.shape, kernels=tops.TritonKernels(case.shape, sms=3))
+        backend.plan(case.batch)
+        x = backend.current.extra
+        assert x["narrow_walk"] == on and x["narrow_programs"] > 0, (cls.name, case.shape)
+        if on:
+            assert backend.kernels.launch_config(x, "narrow") == walk
+            o = backend.run(case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone())
+            twin = cls(case.shape, kernels=ops.ReferenceKernels(case.shape))
+            twin.plan(case.batch)
+            ref = twin.run(case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone())
+            assert (o.float() - ref.float()).abs().max() <= 4 * U[torch.float16] * case.vmax
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import logging
 from types import ModuleType
 
@@ -61,16 +62,16 @@ def gluon_tested(version: str) -> bool:
 
 
 @functools.cache
-def hopper_module() -> ModuleType | None:
-    """`ops.triton.hopper`, the Gluon wide launch for sm_90, where this Triton is the one it
-    was written and tested against; None elsewhere (the Triton kernel runs every launch).
-    Imported on first use: it loads Gluon, which only a GPU run needs."""
+def hopper_module(name: str = "hopper") -> ModuleType | None:
+    """`ops.triton.<name>`, a Gluon launch for sm_90 (hopper: the wide launch; hopper_rows: the
+    narrow row walk), where this Triton is the one it was written and tested against; None
+    elsewhere (the Triton kernel runs every launch). Imported on first use: it loads Gluon,
+    which only a GPU run needs."""
     if not gluon_tested(triton.__version__):
-        log.info("triton %s: the Gluon wide launch is tested on %d.%d only; using the Triton "
+        log.info("triton %s: the Gluon launches are tested on %d.%d only; using the Triton "
                  "kernel for every launch", triton.__version__, *GLUON_TRITON)
         return None
-    from . import hopper
-    return hopper
+    return importlib.import_module(f".{name}", __package__)
 
 
 @triton.jit
@@ -355,6 +356,11 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if cfg.maxnreg:
         meta["maxnreg"] = cfg.maxnreg
     if q.device.type == "cuda":
+        walk = hopper_module("hopper_rows") if cfg.walk else None
+        if walk and walk.applies(q, k_cache, cfg.block_n, causal, window):
+            walk.launch(q, k_cache, v_cache, units, count, kv_chunk, kv_lo, kv_hi, scale, o, lse, programs,
+                        cfg.block_n, cfg.num_stages, cfg.maxnreg, new_kv, kv_scale, queue)
+            return
         hopper = hopper_module() if cfg.hopper else None
         if hopper and hopper.applies(q, k_cache, cfg.block_m, causal, window, slots is not None):
             hopper.launch(q, k_cache, v_cache, units, count, kv_chunk, kv_lo, kv_hi, scale, o,

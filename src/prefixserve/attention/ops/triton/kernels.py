@@ -28,7 +28,7 @@ from .store import store_kv
 from .worklist import NARROW_ROWS, KernelConfig, build_worklist, choose_configs, items_need_causal
 
 _SHAPE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "programs_per_sm", "hopper", "maxnreg",
-               "dynamic")
+               "dynamic", "walk")
 
 
 class TritonKernels:
@@ -70,8 +70,14 @@ class TritonKernels:
                  and not items_need_causal(required(arrays, "item_q_start"), q_len,
                                            required(arrays, "item_kv_indptr"),
                                            q_len * self.group > NARROW_ROWS, *positions))
+        # the narrow units' row walk: G 1 and none needs the position mask (a graph's step is a
+        # decode step: asserted below)
+        walk = (self.group == 1 and not batch.windowed and _gluon_rows(s)
+                and (padded or not items_need_causal(required(arrays, "item_q_start"), q_len,
+                                                     required(arrays, "item_kv_indptr"),
+                                                     q_len <= NARROW_ROWS, *positions)))
         configs = self.configs or choose_configs(rows_hint, s.head_dim, s.dtype.itemsize, gluon,
-                                                 fp8=s.kv_itemsize == 1)
+                                                 fp8=s.kv_itemsize == 1, walk=walk)
         wl = build_worklist(required(arrays, "item_q_start"), q_len, required(arrays, "item_out_start"),
                             required(arrays, "item_kv_indptr"), required(arrays, "q_pos").size,
                             arrays["row_indptr"], arrays["row_parts"], configs, group=self.group,
@@ -127,8 +133,8 @@ class TritonKernels:
 
     @staticmethod
     def launch_config(extra: DeviceExtras, cls: str) -> KernelConfig:
-        m, n, warps, stages, per_sm, hopper, maxnreg, dynamic = (_int(extra, f"{cls}_{k}") for k in _SHAPE_KEYS)
-        return KernelConfig(m, n, warps, stages, per_sm, bool(hopper), maxnreg, bool(dynamic))
+        m, n, warps, stages, per_sm, hopper, maxnreg, dynamic, walk = (_int(extra, f"{cls}_{k}") for k in _SHAPE_KEYS)
+        return KernelConfig(m, n, warps, stages, per_sm, bool(hopper), maxnreg, bool(dynamic), bool(walk))
 
     def launches(self, x: DeviceExtras) -> tuple[Launch, Launch]:
         """The (narrow, wide) launches of a plan's extras `x`."""
@@ -158,6 +164,15 @@ def _gluon_wide(shape: AttentionShape, chunk_size: int) -> bool:
     hopper = hopper_module()
     return hopper is not None and hopper.supports(shape.device, shape.dtype, shape.kv_dtype or shape.dtype,
                                                   shape.head_dim, chunk_size)
+
+
+def _gluon_rows(shape: AttentionShape) -> bool:
+    """Whether this shape's narrow launches may run the Gluon row walk (`hopper_rows`)."""
+    if torch.device(shape.device).type != "cuda":
+        return False
+    rows = hopper_module("hopper_rows")
+    return rows is not None and rows.supports(shape.device, shape.dtype, shape.kv_dtype or shape.dtype,
+                                              shape.num_heads // shape.num_kv_heads, shape.head_dim)
 
 
 def _int(x: DeviceExtras, name: str) -> int:

@@ -75,6 +75,7 @@ class KernelConfig:
     hopper: bool = True  # the Gluon kernel where it applies (`hopper.applies`: sm_90 wide launches)
     maxnreg: int = 0  # registers a thread at most (0: the compiler's choice)
     dynamic: bool = False  # programs take units from a device counter, not a fixed stride
+    walk: bool = False  # a narrow launch of G 1, no position mask: the Gluon row walk (`hopper_rows`)
 
 
 NARROW_ROWS = 16  # items with q_len * G <= this run in the narrow launch (decode tails)
@@ -86,7 +87,7 @@ def next_pow2(x: int) -> int:
 
 
 def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool = False,
-                   fp8: bool = False) -> tuple[KernelConfig, KernelConfig]:
+                   fp8: bool = False, walk: bool = False) -> tuple[KernelConfig, KernelConfig]:
     """(narrow, wide) launch shapes, from sweeps on an H200 (benchmarks/kernels-notes.md).
 
     narrow: one query row x G heads (decode tails) in a 16-row tile; the step is a stream of
@@ -116,13 +117,24 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     take the first stages), at half the keys a tile. On an H200: Table 3's fp8 rows with
     tails 2-8% faster, the all-shared ones within 1.2% (64-key tiles at 5 stages: 9-13% faster
     without sharing, up to 17% slower elsewhere; 16-bit rows: no change either way).
+    walk: the narrow units may run the Gluon row walk (`hopper_rows.supports`: G 1, a step
+    with no position mask). It takes them where no wide launch of <= 64 rows runs beside it
+    (max_wide_rows 0, or 128-row tiles): one-warp CTAs, 8 an SM, K tiles of 4 KB (16 keys in
+    16-bit, 32 in fp8), 2 stages, items from a counter (with a fixed stride, the CTAs that wait
+    for room beside the products held their share: 1.16x slower on b256 ctx2560 sh2048).
+    Measured on an H200 in issue 25 part nine; beside the one-row-warpgroup CTA (or Triton's
+    32-row tiles) Table 3's rows with tails were 4-15% slower.
     """
     block_n = 64 if head_dim > 64 else 128
     if itemsize >= 4:
         block_n //= 2
     wide_m = min(128, max(32, next_pow2(max_wide_rows)))
     narrow = KernelConfig(NARROW_ROWS, block_n, num_warps=2)
-    if fp8:
+    if walk and (max_wide_rows == 0 or wide_m == 128):
+        tile_keys = 4096 // (head_dim * (1 if fp8 else itemsize))
+        narrow = KernelConfig(NARROW_ROWS, tile_keys, num_warps=1, programs_per_sm=8,
+                              maxnreg=NARROW_REGS_BESIDE_GLUON, dynamic=True, walk=True)
+    elif fp8:
         narrow = KernelConfig(NARROW_ROWS, block_n // 2, num_warps=2, num_stages=5)
     elif gluon and wide_m == 128:
         narrow = KernelConfig(NARROW_ROWS, block_n // 2, num_warps=2, programs_per_sm=8,

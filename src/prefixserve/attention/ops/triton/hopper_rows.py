@@ -1,0 +1,260 @@
+"""The narrow attend launch of a one-row decode step on Hopper (sm_90), in Gluon: a row walk.
+
+The same function as `attend._attend_kernel` over the narrow units of a step with one query
+head a KV head (G = 1: Llama-2-7B, CodeLlama-13B) and no position mask (decode), twin
+`ops.reference.attend_items`. Such a unit has 1-16 rows, mostly 1 (a sequence's own tail):
+it fills 1 of the 16 rows of the Triton kernel's narrow tile, where the tensor cores buy
+nothing and a program walks one tile at a time, its loads behind its math. Here each CTA is
+one warp (8 an SM; 75-128 registers a thread and 16 KB of shared memory, so that they also
+fit beside the Gluon wide CTA: `hopper.MAXNREG`), walking work items (item w: unit w // Hkv,
+KV head w % Hkv; first p, then p + P, ... or, DYNAMIC, the next of a device counter, as
+`attend._take`: a CTA that waits for room beside the products holds one item, not 1/P of
+them), each row of a unit's one walk over its tiles, with
+
+    a TMA ring   STAGES tiles [BLOCK_N, D] of K and of V (`ready`: one mbarrier a stage),
+                 issued up to STAGES - 1 tiles ahead of the walk, across items: the producer
+                 runs on into the item after the walk's (taken when it gets there), so that
+                 item's first tiles load under this one's last
+    the math     on CUDA cores in fp32: a lane holds 8 contiguous D values of BLOCK_N / 4
+                 keys (layout KL), scores s = q . k reduced over 8 lanes, the online softmax
+                 in base 2, acc += p v -- a short chain of FMAs a tile, no P layout change
+
+Measured on an H200 against the Triton narrow launch (kernels-notes.md, issue 25 part nine).
+Beside the Gluon CTA of <= 64 rows (Table 3's rows with tails) it was slower -- the CTA takes
+the issue slots its math needs -- so a plan takes it only where no such launch runs beside
+it (`worklist.choose_configs`).
+
+Tiles: the cache viewed as [chunks * C, Hkv * D]; tile j of entry e: rows kv_chunk[e] * C +
+(j % TPE) * BLOCK_N, + BLOCK_N (TPE = C // BLOCK_N), columns h * D, + D. A slot outside the
+entry's [lo, hi) scores -inf and its V row is zeroed in registers (a where: a stale NaN or inf
+cannot reach the output). STORE and FP8 as in `attend`: a one-row unit's new key joins the
+softmax from registers after the walk (quantized first over an fp8 cache: `_quantize`) and is
+written to its slot; an fp8 tile widens in registers, its head's K scale joins the score scale
+and its V scale multiplies the output (powers of two: exact).
+
+Gluon does not run in Triton's interpreter: tested on the GPU against the twin
+(tests/attention/test_hopper_rows.py); CI tests the twin and the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..reference import FP8, K_INV, K_SCALE, V_INV, V_SCALE
+from .hopper import _bounds
+
+KL = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0]))  # [BLOCK_N, D] over 1 warp
+_K_SCALE, _V_SCALE, _K_INV, _V_INV = (gl.constexpr(r) for r in (K_SCALE, V_SCALE, K_INV, V_INV))
+
+
+def supports(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, group: int,
+             head_dim: int) -> bool:
+    """The part of `applies` that a model's shape decides."""
+    if torch.device(device).type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return False
+    return dtype in (torch.float16, torch.bfloat16) and kv_dtype in (dtype, FP8) and group == 1 and head_dim in (64, 128)
+
+
+def applies(q: torch.Tensor, k_cache: torch.Tensor, block_n: int, causal: bool, window: int | None) -> bool:
+    """Whether `launch` can run this narrow launch (`KernelConfig.walk`: a decode step's, the
+    plan's choice): G 1, no position mask, no sliding window, tiles within a chunk."""
+    chunk = k_cache.shape[1]
+    return (supports(q.device, q.dtype, k_cache.dtype, q.shape[1] // k_cache.shape[2], q.shape[-1])
+            and not causal and window is None and chunk % block_n == 0)
+
+
+@gluon.jit
+def _quantize(x, inv):
+    """`store.quantize_fp8` in Gluon, bit for bit: e4m3 of x * inv (fp32), rounded to e4m3's
+    grid in fp32 first (normal: 3 mantissa bits, ties to even; subnormal: multiples of 2^-9)."""
+    y = gl.minimum(gl.maximum(x.to(gl.float32) * inv, -448.0), 448.0)
+    bits = y.to(gl.int32, bitcast=True)
+    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    sub = ((y + 24576.0) - 24576.0).to(gl.int32, bitcast=True) | (bits & -0x80000000)
+    y = gl.where((bits & 0x7FFFFFFF) >= 0x3C800000, normal, sub).to(gl.float32, bitcast=True)
+    return y.to(gl.float8e4nv)
+
+
+@gluon.jit
+def _take(queue, pid, taken, DYNAMIC: gl.constexpr):
+    """The program's next work item after `taken` ones: p + taken * P, or DYNAMIC (after its
+    first, p) P + the next of queue[0]."""
+    w = pid + taken * gl.num_programs(0)
+    if DYNAMIC:
+        w = gl.num_programs(0) + gl.atomic_add(queue, 1, sem="relaxed")
+    return w
+
+
+@gluon.jit
+def _item(units, w, num_work, HKV: gl.constexpr, TPE: gl.constexpr):
+    """Item w's first entry, tiles of one row's walk, tiles of all its rows' (0 past the work)."""
+    ok = w < num_work
+    u = w // HKV
+    e0 = gl.load(units + u * 6 + 2, mask=ok, other=0)
+    per_row = (gl.load(units + u * 6 + 3, mask=ok, other=0) - e0) * TPE
+    return e0, per_row, per_row * gl.load(units + u * 6 + 1, mask=ok, other=0)
+
+
+@gluon.jit
+def _issue(k_desc, v_desc, k_bufs, v_bufs, ready, kv_chunk, e0, j, col, slot, chunk_size,
+           BLOCK_N: gl.constexpr, TPE: gl.constexpr):
+    """TMA copies of tile j of a walk from entry e0 (K and V, columns col..) into ring slot `slot`."""
+    row = gl.load(kv_chunk + e0 + j // TPE) * chunk_size + (j % TPE) * BLOCK_N
+    mbarrier.expect(ready.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row, col], ready.index(slot), k_bufs.index(slot))
+    tma.async_copy_global_to_shared(v_desc, [row, col], ready.index(slot), v_bufs.index(slot))
+
+
+@gluon.jit
+def _rows_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o, lse,
+                 k_cache, v_cache, k_new, v_new, slots, kv_scale, queue, stride_qt, stride_ot,
+                 stride_lt, stride_kt, stride_vt, scale_log2, chunk_size,
+                 HKV: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                 TPE: gl.constexpr, STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
+                 STORE: gl.constexpr, FP8_CACHE: gl.constexpr, DYNAMIC: gl.constexpr):
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KL))  # [BLOCK_N] a tile's slots
+    c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, KL))  # [D]
+    num_work = gl.load(unit_count) * HKV
+    pid = gl.program_id(0)
+    taken = 1
+    w = pid  # the walk's item; the producer's, pw: w or the one after it
+    pw = w
+    p_e0, p_row, p_n = _item(units, pw, num_work, HKV, TPE)
+    pj = 0  # the producer's next tile of item pw (pjj: of the row walk), `issued` tiles so far
+    pjj = 0
+    issued = 0
+    it = 0  # tiles walked so far: tile it is in slot it % STAGES, lap it // STAGES
+    while w < num_work:
+        u = w // HKV
+        h = w % HKV
+        e0 = gl.load(units + u * 6 + 2)
+        e1 = gl.load(units + u * 6 + 3)
+        e_new = -1
+        if STORE:  # (a one-row unit) t >= 0: the new key is the last slot of entry e1 - 1;
+            # -2 - t: left out; -1: none
+            t = gl.load(units + u * 6 + 5)
+            e_new = gl.where(t >= 0, e1 - 1, -1)
+            t = gl.where(t >= -1, t, -2 - t).to(gl.int64)
+            d_new = gl.where(t >= 0, HEAD_DIM, 0)
+            kn = gl.load(k_new + t * stride_kt + h * HEAD_DIM + c, mask=c < d_new, other=0.0)
+            vn = gl.load(v_new + t * stride_vt + h * HEAD_DIM + c, mask=c < d_new, other=0.0)
+        sl2 = scale_log2
+        if FP8_CACHE:
+            sl2 = scale_log2 * gl.load(kv_scale + _K_SCALE * HKV + h)
+        for r in range(0, gl.load(units + u * 6 + 1)):  # the unit's rows, one walk each
+            row = gl.load(units + u * 6) + r
+            qv = gl.load(q + row.to(gl.int64) * stride_qt + h * HEAD_DIM + c).to(gl.float32)  # [D]
+            m_i = gl.max(gl.full([BLOCK_N], float("-inf"), gl.float32, gl.SliceLayout(1, KL)), 0)
+            l_i = gl.sum(gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, KL)), 0)
+            acc = gl.zeros([HEAD_DIM], gl.float32, gl.SliceLayout(0, KL))
+            for j in range(0, (e1 - e0) * TPE):
+                # tiles it .. it + STAGES - 1 in flight: slot (it - 1) % STAGES is free (the
+                # barrier that ended tile it - 1)
+                more = 1
+                while (more == 1) & (issued < it + STAGES):
+                    if pj < p_n:
+                        _issue(k_desc, v_desc, k_bufs, v_bufs, ready, kv_chunk, p_e0, pjj, (pw % HKV) * HEAD_DIM,
+                               issued % STAGES, chunk_size, BLOCK_N, TPE)
+                        pj += 1
+                        pjj += 1
+                        pjj = gl.where(pjj == p_row, 0, pjj)
+                        issued += 1
+                    elif pw == w:  # on to the next item
+                        pw = _take(queue, pid, taken, DYNAMIC)
+                        taken += 1
+                        p_e0, p_row, p_n = _item(units, pw, num_work, HKV, TPE)
+                        pj = 0
+                        pjj = 0
+                    else:
+                        more = 0
+                s = it % STAGES
+                lo, hi = _bounds(kv_lo, kv_hi, e0, j, BLOCK_N, TPE)
+                hi = gl.where(e0 + j // TPE == e_new, hi - 1, hi)  # the new key joins from registers
+                key_ok = (n >= lo) & (n < hi)
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                kt = k_bufs.index(s).load(KL).to(gl.float32)  # [BLOCK_N, D]
+                sc = gl.where(key_ok, gl.sum(kt * qv[None, :], 1) * sl2, float("-inf"))  # [BLOCK_N]
+                m_new = gl.maximum(m_i, gl.max(sc, 0))
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                p = gl.exp2(sc - m_safe)
+                alpha = gl.exp2(m_i - m_safe)
+                l_i = l_i * alpha + gl.sum(p, 0)
+                m_i = m_new
+                vt = gl.where(key_ok[:, None], v_bufs.index(s).load(KL).to(gl.float32), 0.0)
+                acc = acc * alpha + gl.sum(p[:, None] * vt, 0)
+                gl.thread_barrier()  # the warp is done with slot s: a later top-up may refill it
+                it += 1
+            if STORE:
+                if t >= 0:  # the new key: one more online-softmax step, then into its slot
+                    if FP8_CACHE:
+                        kc = _quantize(kn, gl.load(kv_scale + _K_INV * HKV + h))
+                        vc = _quantize(vn, gl.load(kv_scale + _V_INV * HKV + h))
+                    else:
+                        kc = kn.to(k_cache.dtype.element_ty)
+                        vc = vn.to(v_cache.dtype.element_ty)
+                    s_new = gl.sum(qv * kc.to(gl.float32), 0) * sl2
+                    m_new = gl.maximum(m_i, s_new)
+                    alpha = gl.exp2(m_i - m_new)
+                    p_new = gl.exp2(s_new - m_new)
+                    l_i = l_i * alpha + p_new
+                    acc = acc * alpha + p_new * vc.to(gl.float32)
+                    m_i = m_new
+                    dst = gl.load(slots + t) * (HKV * HEAD_DIM) + h * HEAD_DIM + c
+                    gl.store(k_cache + dst, kc)
+                    gl.store(v_cache + dst, vc)
+            out = gl.load(units + u * 6 + 4).to(gl.int64) + r
+            seen = l_i > 0.0
+            o_row = acc / gl.where(seen, l_i, 1.0)
+            if FP8_CACHE:
+                o_row = o_row * gl.load(kv_scale + _V_SCALE * HKV + h)
+            gl.store(o + out * stride_ot + h * HEAD_DIM + c, o_row.to(o.dtype.element_ty))
+            if WRITE_LSE:
+                ln_l = (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453  # x ln 2
+                gl.store(lse + out * stride_lt + h, gl.where(seen, ln_l, float("-inf")))
+        if pw == w:
+            pw = _take(queue, pid, taken, DYNAMIC)
+            taken += 1
+            p_e0, p_row, p_n = _item(units, pw, num_work, HKV, TPE)
+            pj = 0
+            pjj = 0
+        w = pw
+    if DYNAMIC:  # attend._release_queue: the last program resets the counter for the next launch
+        if gl.atomic_add(queue + 1, 1, sem="acq_rel") == gl.num_programs(0) - 1:
+            gl.store(queue, 0)
+            gl.store(queue + 1, 0)
+
+
+def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
+           count: torch.Tensor, kv_chunk: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
+           scale: float, o: torch.Tensor, lse: torch.Tensor | None, programs: int, block_n: int,
+           stages: int, maxnreg: int, new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+           kv_scale: torch.Tensor | None = None, queue: torch.Tensor | None = None) -> None:
+    """`attend.launch_units` for a narrow launch that `applies`: the first count[0] units on a
+    persistent grid of `programs` one-warp CTAs, tiles of `block_n` keys in a `stages`-deep
+    ring, at most `maxnreg` registers a thread."""
+    n_chunks, chunk_size, hkv, d = k_cache.shape
+    fp8 = k_cache.dtype == FP8
+    gl_dtype = gl.float8e4nv if fp8 else gl.float16 if k_cache.dtype == torch.float16 else gl.bfloat16
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl_dtype)
+    k_desc, v_desc = (TensorDescriptor(c, [n_chunks * chunk_size, hkv * d], [hkv * d, 1], [block_n, d], layout)
+                      for c in (k_cache, v_cache))
+    k_new, v_new, slots = new_kv or (q, q, units)
+    assert q.stride(-1) == 1 and q.stride(1) == d and o.stride(-1) == 1 and o.stride(1) == d
+    assert k_new.stride(-1) == 1 and k_new.stride(1) == d and v_new.stride(-1) == 1 and v_new.stride(1) == d
+    _rows_kernel[(programs,)](
+        q, units, count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o, o if lse is None else lse,
+        k_cache, v_cache, k_new, v_new, slots, o if kv_scale is None else kv_scale,
+        o if queue is None else queue, q.stride(0),
+        o.stride(0), 0 if lse is None else lse.stride(0), k_new.stride(0), v_new.stride(0),
+        scale * 1.4426950408889634, chunk_size, HKV=hkv, HEAD_DIM=d, BLOCK_N=block_n,
+        TPE=chunk_size // block_n, STAGES=stages, WRITE_LSE=lse is not None, STORE=new_kv is not None,
+        FP8_CACHE=fp8, DYNAMIC=queue is not None, num_warps=1, maxnreg=maxnreg)

@@ -1,0 +1,124 @@
+"""The Gluon row walk (`ops.triton.hopper_rows`, sm_90 only) against its twin,
+`ops.reference.attend_items`, and against the Triton kernel it replaces.
+
+Gluon does not run in Triton's interpreter, so these tests run only on a Hopper GPU
+(PREFIXSERVE_TRITON_TEST_DEVICE=cuda on the lent H100 / H200); CI runs the twin's and the
+Triton kernel's tests, and the plan's choice of the walk (test_triton_ops).
+
+The problems are narrow units of G 1 (one query head a KV head): one-row units and units of up
+to 16 rows (each row walks the unit's tiles), entries that start and end inside chunks, NaN in
+every slot no entry covers, over 16-bit and fp8 caches; then whole decode steps, whose units
+write their rows' new keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+DEVICE = torch.device(os.environ.get("PREFIXSERVE_TRITON_TEST_DEVICE", "cpu"))
+if DEVICE.type != "cuda" or torch.cuda.get_device_capability(DEVICE)[0] != 9:
+    pytest.skip("the Gluon kernels run on a Hopper GPU only (PREFIXSERVE_TRITON_TEST_DEVICE=cuda)",
+                allow_module_level=True)
+
+from prefixserve.attention.ops import reference  # noqa: E402
+from prefixserve.attention.ops import triton as tops  # noqa: E402
+from prefixserve.attention.ops.triton.attend import GLUON_TRITON, hopper_module  # noqa: E402
+
+rows_walk = hopper_module("hopper_rows")
+if rows_walk is None:
+    pytest.skip(f"the Gluon kernels are tested on Triton {GLUON_TRITON} only", allow_module_level=True)
+from test_hopper import U, check_partials, shared_items  # noqa: E402  (skips with this module: the same GPU)
+
+from prefixserve.attention.ops.triton.worklist import KernelConfig, choose_configs  # noqa: E402
+
+TRITON_NARROW = KernelConfig(16, 64, num_warps=2)
+WIDE = KernelConfig(128, 64, num_stages=2, programs_per_sm=2)
+
+
+def narrow_items(seed: int, dtype: torch.dtype, fp8: bool, hkv: int, d: int, chunk: int,
+                 items: list[tuple[int, int, int, int]]):
+    """`test_hopper.shared_items` at G 1, over an fp8 cache if fp8 (per-head powers of two, as
+    the engine's scales; NaN slots stay NaN): (attend_items' arguments, rows, kv_scale)."""
+    args, num_rows = shared_items(seed, dtype, hkv, 1, d, chunk, items)
+    if not fp8:
+        return args, num_rows, None
+    gen = torch.Generator().manual_seed(seed)
+    s = torch.exp2(-torch.randint(5, 9, (2, hkv), generator=gen).float())
+    kv_scale = torch.cat([s, 1 / s])
+    k8, v8 = (reference.quantize(c.float().view(-1, hkv, d), kv_scale[i]).view(c.shape)
+              for c, i in ((args[1], reference.K_INV), (args[2], reference.V_INV)))
+    return (args[0], k8, v8, *args[3:]), num_rows, kv_scale
+
+
+CASES = [  # (dtype, Hkv, D, chunk, items)
+    (torch.float16, 4, 128, 64, [(1, 5, 1000, 0), (1, 0, 64 * 7, 2), (3, 60, 10, 1), (1, 63, 1, 0),
+                                 (16, 0, 200, 0), (1, 0, 64, 0)]),
+    (torch.bfloat16, 2, 128, 128, [(1, 33, 4096, 0), (5, 0, 129, 3), (1, 127, 2, 0)]),
+    (torch.float16, 3, 64, 64, [(1, 1, 333, 0), (2, 17, 64, 1), (1, 0, 2000, 0)]),
+]
+
+
+@pytest.mark.parametrize("dtype,hkv,d,chunk,items", CASES)
+@pytest.mark.parametrize("fp8", [False, True], ids=["16-bit", "fp8"])
+@pytest.mark.parametrize("sms", [None, 3], ids=["whole-items", "split-k"])
+@pytest.mark.parametrize("dynamic", [True, False], ids=["counter", "stride"])
+def test_row_walk_matches_twin(dtype, hkv, d, chunk, items, fp8, sms, dynamic):
+    args, num_rows, kv_scale = narrow_items(len(items) + d + chunk, dtype, fp8, hkv, d, chunk, items)
+    dev = [x.to(DEVICE) for x in args]
+    ks = None if kv_scale is None else kv_scale.to(DEVICE)
+    walk = dataclasses.replace(choose_configs(0, d, dtype.itemsize, fp8=fp8, walk=True)[0], dynamic=dynamic)
+    assert walk.walk and rows_walk.applies(dev[0], dev[1], walk.block_n, False, None)
+    o_ref, lse_ref = reference.attend_items(*args, 1.0 / d**0.5, num_rows, kv_scale=kv_scale)
+    values = args[2].float() if not fp8 else args[2].float() * kv_scale[reference.V_SCALE][None, None, :, None]
+    vmax = values.nan_to_num(0).abs().max()
+    results = []
+    for narrow in (walk, TRITON_NARROW):  # the walk, then the Triton kernel it replaces
+        o, lse = (x.cpu() for x in tops.attend_items(*dev, 1.0 / d**0.5, num_rows, kv_scale=ks, sms=sms,
+                                                     configs=(narrow, WIDE)))
+        check_partials(o, lse, o_ref, lse_ref, (1e-5 + 2 * U[dtype]) * vmax)
+        results.append(o)
+    # fp32 math on the same cache values: the two differ by the Triton kernel's 16-bit P
+    assert (results[0] - results[1]).abs().max() <= 2 * U[dtype] * vmax
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", ["", "fp8"], ids=["16-bit", "fp8"])
+@pytest.mark.parametrize("batch", [96, 20], ids=["beside-128-row-products", "alone"])
+def test_decode_step_with_the_row_walk(dtype, kv_dtype, batch, monkeypatch):
+    """A decode step of G 1: paged (narrow units only) and relay (96 sequences under a shared
+    prefix: 128-row wide units beside) run the narrow units in the row walk, which writes the
+    new keys; with 20 sequences relay's 32-row wide units keep the Triton narrow launch. The
+    same output as with the walk off (within the Triton kernel's 16-bit P), the same cache
+    bytes, and a second run gives the same output (the walk's item counter is back at 0)."""
+    from prefixserve.attention.backends.paged import PagedBackend
+    from prefixserve.attention.backends.relay import RelayBackend
+    from prefixserve.bench.kernels.rows import Workload, build
+
+    name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    row = build(Workload("test", batch, 8, 8, 128, 700, (512,), 64, name, kv_dtype=kv_dtype), DEVICE)
+    vmax = row.vmax
+    for cls in (PagedBackend, RelayBackend):
+        outs, caches = [], []
+        for walk_on in (True, False):
+            monkeypatch.setattr("prefixserve.attention.ops.triton.kernels._gluon_rows", lambda shape, on=walk_on:
+                                on and rows_walk.supports(shape.device, shape.dtype, shape.kv_dtype or shape.dtype,
+                                                          1, shape.head_dim))
+            be = cls(row.shape, kernels=tops.TritonKernels(row.shape))
+            be.plan(row.batch)
+            x = be.current.extra
+            expect = walk_on and (cls is PagedBackend or batch == 96)
+            assert x["stores"] and x["narrow_programs"] > 0 and x["narrow_walk"] == expect, cls.name
+            k_cache, v_cache = row.k_cache.clone(), row.v_cache.clone()
+            o = be.run(row.q, row.k, row.v, k_cache, v_cache, kv_scale=row.kv_scale).float()
+            again = be.run(row.q, row.k, row.v, row.k_cache.clone(), row.v_cache.clone(), kv_scale=row.kv_scale)
+            assert torch.equal(again.float(), o) and not o.isnan().any(), cls.name
+            assert not be.kernels.queues.any(), cls.name  # the counters back at 0
+            outs.append(o)
+            caches.append((k_cache, v_cache))
+        assert (outs[0] - outs[1]).abs().max() <= 4 * U[dtype] * vmax, cls.name
+        for a, b in zip(*caches, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), cls.name
