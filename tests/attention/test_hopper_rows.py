@@ -5,10 +5,10 @@ Gluon does not run in Triton's interpreter, so these tests run only on a Hopper 
 (PREFIXSERVE_TRITON_TEST_DEVICE=cuda on the lent H100 / H200); CI runs the twin's and the
 Triton kernel's tests, and the plan's choice of the walk (test_triton_ops).
 
-The problems are narrow units of G 1 (one query head a KV head): one-row units and units of up
-to 16 rows (each row walks the unit's tiles), entries that start and end inside chunks, NaN in
-every slot no entry covers, over 16-bit and fp8 caches; then whole decode steps, whose units
-write their rows' new keys.
+The problems are narrow units of G 1 (one query head a KV head) over fp8 caches: one-row units
+and units of up to 16 rows (each row walks the unit's tiles), entries that start and end inside
+chunks, NaN in every slot no entry covers; then whole decode steps, whose units write their
+rows' new keys.
 """
 
 from __future__ import annotations
@@ -39,13 +39,11 @@ TRITON_NARROW = KernelConfig(16, 64, num_warps=2)
 WIDE = KernelConfig(128, 64, num_stages=2, programs_per_sm=2)
 
 
-def narrow_items(seed: int, dtype: torch.dtype, fp8: bool, hkv: int, d: int, chunk: int,
+def narrow_items(seed: int, dtype: torch.dtype, hkv: int, d: int, chunk: int,
                  items: list[tuple[int, int, int, int]]):
-    """`test_hopper.shared_items` at G 1, over an fp8 cache if fp8 (per-head powers of two, as
-    the engine's scales; NaN slots stay NaN): (attend_items' arguments, rows, kv_scale)."""
+    """`test_hopper.shared_items` at G 1 over an fp8 cache (per-head powers of two, as the
+    engine's scales; NaN slots stay NaN): (attend_items' arguments, rows, kv_scale)."""
     args, num_rows = shared_items(seed, dtype, hkv, 1, d, chunk, items)
-    if not fp8:
-        return args, num_rows, None
     gen = torch.Generator().manual_seed(seed)
     s = torch.exp2(-torch.randint(5, 9, (2, hkv), generator=gen).float())
     kv_scale = torch.cat([s, 1 / s])
@@ -63,17 +61,17 @@ CASES = [  # (dtype, Hkv, D, chunk, items)
 
 
 @pytest.mark.parametrize("dtype,hkv,d,chunk,items", CASES)
-@pytest.mark.parametrize("fp8", [False, True], ids=["16-bit", "fp8"])
 @pytest.mark.parametrize("sms", [None, 3], ids=["whole-items", "split-k"])
 @pytest.mark.parametrize("dynamic", [True, False], ids=["counter", "stride"])
-def test_row_walk_matches_twin(dtype, hkv, d, chunk, items, fp8, sms, dynamic):
-    args, num_rows, kv_scale = narrow_items(len(items) + d + chunk, dtype, fp8, hkv, d, chunk, items)
+def test_row_walk_matches_twin(dtype, hkv, d, chunk, items, sms, dynamic):
+    args, num_rows, kv_scale = narrow_items(len(items) + d + chunk, dtype, hkv, d, chunk, items)
     dev = [x.to(DEVICE) for x in args]
-    ks = None if kv_scale is None else kv_scale.to(DEVICE)
-    walk = dataclasses.replace(choose_configs(0, d, dtype.itemsize, fp8=fp8, walk=True)[0], dynamic=dynamic)
+    ks = kv_scale.to(DEVICE)
+    walk = dataclasses.replace(choose_configs(0, d, dtype.itemsize, fp8=True, walk=True)[0], dynamic=dynamic)
     assert walk.walk and rows_walk.applies(dev[0], dev[1], walk.block_n, False, None)
+    assert not rows_walk.applies(dev[0], dev[1].to(dtype), walk.block_n, False, None)  # 16-bit: Triton
     o_ref, lse_ref = reference.attend_items(*args, 1.0 / d**0.5, num_rows, kv_scale=kv_scale)
-    values = args[2].float() if not fp8 else args[2].float() * kv_scale[reference.V_SCALE][None, None, :, None]
+    values = args[2].float() * kv_scale[reference.V_SCALE][None, None, :, None]
     vmax = values.nan_to_num(0).abs().max()
     results = []
     for narrow in (walk, TRITON_NARROW):  # the walk, then the Triton kernel it replaces
@@ -86,27 +84,31 @@ def test_row_walk_matches_twin(dtype, hkv, d, chunk, items, fp8, sms, dynamic):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("kv_dtype", ["", "fp8"], ids=["16-bit", "fp8"])
 @pytest.mark.parametrize("batch", [96, 20], ids=["beside-128-row-products", "alone"])
-def test_decode_step_with_the_row_walk(dtype, kv_dtype, batch, monkeypatch):
-    """A decode step of G 1: paged (narrow units only) and relay (96 sequences under a shared
-    prefix: 128-row wide units beside) run the narrow units in the row walk, which writes the
-    new keys; with 20 sequences relay's 32-row wide units keep the Triton narrow launch. The
+def test_decode_step_with_the_row_walk(dtype, batch, monkeypatch):
+    """A decode step of G 1 over an fp8 cache: paged (narrow units only) and relay (96
+    sequences under a shared prefix: 128-row wide units beside) run the narrow units in the
+    row walk, which writes the new keys (quantized); with 20 sequences relay's 32-row wide
+    units keep the Triton narrow launch, as does every step over a 16-bit cache. The
     same output as with the walk off (within the Triton kernel's 16-bit P), the same cache
     bytes, and a second run gives the same output (the walk's item counter is back at 0)."""
     from prefixserve.attention.backends.paged import PagedBackend
     from prefixserve.attention.backends.relay import RelayBackend
+    from prefixserve.attention.ops.triton import kernels as tk
     from prefixserve.bench.kernels.rows import Workload, build
 
+    gluon_rows = tk._gluon_rows
     name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
-    row = build(Workload("test", batch, 8, 8, 128, 700, (512,), 64, name, kv_dtype=kv_dtype), DEVICE)
+    row16 = build(Workload("test", batch, 8, 8, 128, 700, (512,), 64, name), DEVICE)
+    be = PagedBackend(row16.shape, kernels=tops.TritonKernels(row16.shape))
+    be.plan(row16.batch)
+    assert not be.current.extra["narrow_walk"]
+    row = build(Workload("test", batch, 8, 8, 128, 700, (512,), 64, name, kv_dtype="fp8"), DEVICE)
     vmax = row.vmax
     for cls in (PagedBackend, RelayBackend):
         outs, caches = [], []
         for walk_on in (True, False):
-            monkeypatch.setattr("prefixserve.attention.ops.triton.kernels._gluon_rows", lambda shape, on=walk_on:
-                                on and rows_walk.supports(shape.device, shape.dtype, shape.kv_dtype or shape.dtype,
-                                                          1, shape.head_dim))
+            monkeypatch.setattr(tk, "_gluon_rows", gluon_rows if walk_on else lambda shape: False)
             be = cls(row.shape, kernels=tops.TritonKernels(row.shape))
             be.plan(row.batch)
             x = be.current.extra

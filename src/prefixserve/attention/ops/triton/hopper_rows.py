@@ -1,11 +1,11 @@
-"""The narrow attend launch of a one-row decode step on Hopper (sm_90), in Gluon: a row walk.
+"""The narrow attend launch of an fp8 cache's decode step on Hopper (sm_90), in Gluon: a row walk.
 
 The same function as `attend._attend_kernel` over the narrow units of a step with one query
-head a KV head (G = 1: Llama-2-7B, CodeLlama-13B) and no position mask (decode), twin
-`ops.reference.attend_items`. Such a unit has 1-16 rows, mostly 1 (a sequence's own tail):
+head a KV head (G = 1: Llama-2-7B, CodeLlama-13B), no position mask (decode) and an fp8 KV
+cache, twin `ops.reference.attend_items`. Such a unit has 1-16 rows, mostly 1 (a sequence's own tail):
 it fills 1 of the 16 rows of the Triton kernel's narrow tile, where the tensor cores buy
 nothing and a program walks one tile at a time, its loads behind its math. Here each CTA is
-one warp (8 an SM; 75-128 registers a thread and 16 KB of shared memory, so that they also
+one warp (8 an SM; 89-128 registers a thread and 16 KB of shared memory, so that they also
 fit beside the Gluon wide CTA: `hopper.MAXNREG`), walking work items (item w: unit w // Hkv,
 KV head w % Hkv; first p, then p + P, ... or, DYNAMIC, the next of a device counter, as
 `attend._take`: a CTA that waits for room beside the products holds one item, not 1/P of
@@ -15,22 +15,23 @@ them), each row of a unit's one walk over its tiles, with
                  issued up to STAGES - 1 tiles ahead of the walk, across items: the producer
                  runs on into the item after the walk's (taken when it gets there), so that
                  item's first tiles load under this one's last
-    the math     on CUDA cores in fp32: a lane holds 8 contiguous D values of BLOCK_N / 4
+    the math     on CUDA cores in fp32, the e4m3 values widened in registers (exactly), the
+                 head's K scale in the score scale and its V scale on the output (powers
+                 of two: exact): a lane holds 8 contiguous D values of BLOCK_N / 4
                  keys (layout KL), scores s = q . k reduced over 8 lanes, the online softmax
                  in base 2, acc += p v -- a short chain of FMAs a tile, no P layout change
 
-Measured on an H200 against the Triton narrow launch (kernels-notes.md, issue 25 part nine).
-Beside the Gluon CTA of <= 64 rows (Table 3's rows with tails) it was slower -- the CTA takes
-the issue slots its math needs -- so a plan takes it only where no such launch runs beside
-it (`worklist.choose_configs`).
+Measured on an H200 against the Triton narrow launch (kernels-notes.md, issue 25 part nine):
+where a plan takes it and where not is `worklist.choose_configs`'s. Over a 16-bit cache the
+same walk measured within 0.6% of the Triton kernel on paged decode and made the engine's
+1,024 x 16K step 1-4% slower, so it reads fp8 caches only.
 
 Tiles: the cache viewed as [chunks * C, Hkv * D]; tile j of entry e: rows kv_chunk[e] * C +
 (j % TPE) * BLOCK_N, + BLOCK_N (TPE = C // BLOCK_N), columns h * D, + D. A slot outside the
 entry's [lo, hi) scores -inf and its V row is zeroed in registers (a where: a stale NaN or inf
-cannot reach the output). STORE and FP8 as in `attend`: a one-row unit's new key joins the
-softmax from registers after the walk (quantized first over an fp8 cache: `_quantize`) and is
-written to its slot; an fp8 tile widens in registers, its head's K scale joins the score scale
-and its V scale multiplies the output (powers of two: exact).
+cannot reach the output). STORE as in `attend`: a one-row unit's new key joins the softmax
+from registers after the walk, quantized first as the store launch quantizes it
+(`_quantize`), and is written to its slot.
 
 Gluon does not run in Triton's interpreter: tested on the GPU against the twin
 (tests/attention/test_hopper_rows.py); CI tests the twin and the Triton kernel.
@@ -56,12 +57,13 @@ def supports(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, gr
     """The part of `applies` that a model's shape decides."""
     if torch.device(device).type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return False
-    return dtype in (torch.float16, torch.bfloat16) and kv_dtype in (dtype, FP8) and group == 1 and head_dim in (64, 128)
+    return dtype in (torch.float16, torch.bfloat16) and kv_dtype == FP8 and group == 1 and head_dim in (64, 128)
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, block_n: int, causal: bool, window: int | None) -> bool:
     """Whether `launch` can run this narrow launch (`KernelConfig.walk`: a decode step's, the
-    plan's choice): G 1, no position mask, no sliding window, tiles within a chunk."""
+    plan's choice): G 1, an fp8 cache, no position mask, no sliding window, tiles within a
+    chunk."""
     chunk = k_cache.shape[1]
     return (supports(q.device, q.dtype, k_cache.dtype, q.shape[1] // k_cache.shape[2], q.shape[-1])
             and not causal and window is None and chunk % block_n == 0)
@@ -115,7 +117,7 @@ def _rows_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
                  stride_lt, stride_kt, stride_vt, scale_log2, chunk_size,
                  HKV: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                  TPE: gl.constexpr, STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
-                 STORE: gl.constexpr, FP8_CACHE: gl.constexpr, DYNAMIC: gl.constexpr):
+                 STORE: gl.constexpr, DYNAMIC: gl.constexpr):
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -147,9 +149,7 @@ def _rows_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
             d_new = gl.where(t >= 0, HEAD_DIM, 0)
             kn = gl.load(k_new + t * stride_kt + h * HEAD_DIM + c, mask=c < d_new, other=0.0)
             vn = gl.load(v_new + t * stride_vt + h * HEAD_DIM + c, mask=c < d_new, other=0.0)
-        sl2 = scale_log2
-        if FP8_CACHE:
-            sl2 = scale_log2 * gl.load(kv_scale + _K_SCALE * HKV + h)
+        sl2 = scale_log2 * gl.load(kv_scale + _K_SCALE * HKV + h)  # the head's K scale (exact)
         for r in range(0, gl.load(units + u * 6 + 1)):  # the unit's rows, one walk each
             row = gl.load(units + u * 6) + r
             qv = gl.load(q + row.to(gl.int64) * stride_qt + h * HEAD_DIM + c).to(gl.float32)  # [D]
@@ -195,12 +195,8 @@ def _rows_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
                 it += 1
             if STORE:
                 if t >= 0:  # the new key: one more online-softmax step, then into its slot
-                    if FP8_CACHE:
-                        kc = _quantize(kn, gl.load(kv_scale + _K_INV * HKV + h))
-                        vc = _quantize(vn, gl.load(kv_scale + _V_INV * HKV + h))
-                    else:
-                        kc = kn.to(k_cache.dtype.element_ty)
-                        vc = vn.to(v_cache.dtype.element_ty)
+                    kc = _quantize(kn, gl.load(kv_scale + _K_INV * HKV + h))
+                    vc = _quantize(vn, gl.load(kv_scale + _V_INV * HKV + h))
                     s_new = gl.sum(qv * kc.to(gl.float32), 0) * sl2
                     m_new = gl.maximum(m_i, s_new)
                     alpha = gl.exp2(m_i - m_new)
@@ -213,9 +209,7 @@ def _rows_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
                     gl.store(v_cache + dst, vc)
             out = gl.load(units + u * 6 + 4).to(gl.int64) + r
             seen = l_i > 0.0
-            o_row = acc / gl.where(seen, l_i, 1.0)
-            if FP8_CACHE:
-                o_row = o_row * gl.load(kv_scale + _V_SCALE * HKV + h)
+            o_row = acc / gl.where(seen, l_i, 1.0) * gl.load(kv_scale + _V_SCALE * HKV + h)
             gl.store(o + out * stride_ot + h * HEAD_DIM + c, o_row.to(o.dtype.element_ty))
             if WRITE_LSE:
                 ln_l = (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453  # x ln 2
@@ -242,9 +236,8 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
     persistent grid of `programs` one-warp CTAs, tiles of `block_n` keys in a `stages`-deep
     ring, at most `maxnreg` registers a thread."""
     n_chunks, chunk_size, hkv, d = k_cache.shape
-    fp8 = k_cache.dtype == FP8
-    gl_dtype = gl.float8e4nv if fp8 else gl.float16 if k_cache.dtype == torch.float16 else gl.bfloat16
-    layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl_dtype)
+    assert k_cache.dtype == FP8 and kv_scale is not None
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.float8e4nv)
     k_desc, v_desc = (TensorDescriptor(c, [n_chunks * chunk_size, hkv * d], [hkv * d, 1], [block_n, d], layout)
                       for c in (k_cache, v_cache))
     k_new, v_new, slots = new_kv or (q, q, units)
@@ -252,9 +245,9 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
     assert k_new.stride(-1) == 1 and k_new.stride(1) == d and v_new.stride(-1) == 1 and v_new.stride(1) == d
     _rows_kernel[(programs,)](
         q, units, count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o, o if lse is None else lse,
-        k_cache, v_cache, k_new, v_new, slots, o if kv_scale is None else kv_scale,
+        k_cache, v_cache, k_new, v_new, slots, kv_scale,
         o if queue is None else queue, q.stride(0),
         o.stride(0), 0 if lse is None else lse.stride(0), k_new.stride(0), v_new.stride(0),
         scale * 1.4426950408889634, chunk_size, HKV=hkv, HEAD_DIM=d, BLOCK_N=block_n,
         TPE=chunk_size // block_n, STAGES=stages, WRITE_LSE=lse is not None, STORE=new_kv is not None,
-        FP8_CACHE=fp8, DYNAMIC=queue is not None, num_warps=1, maxnreg=maxnreg)
+        DYNAMIC=queue is not None, num_warps=1, maxnreg=maxnreg)

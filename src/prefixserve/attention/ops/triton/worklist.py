@@ -75,7 +75,7 @@ class KernelConfig:
     hopper: bool = True  # the Gluon kernel where it applies (`hopper.applies`: sm_90 wide launches)
     maxnreg: int = 0  # registers a thread at most (0: the compiler's choice)
     dynamic: bool = False  # programs take units from a device counter, not a fixed stride
-    walk: bool = False  # a narrow launch of G 1, no position mask: the Gluon row walk (`hopper_rows`)
+    walk: bool = False  # a narrow launch of G 1 over fp8, no position mask: the Gluon row walk (`hopper_rows`)
 
 
 NARROW_ROWS = 16  # items with q_len * G <= this run in the narrow launch (decode tails)
@@ -118,21 +118,22 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     tails 2-8% faster, the all-shared ones within 1.2% (64-key tiles at 5 stages: 9-13% faster
     without sharing, up to 17% slower elsewhere; 16-bit rows: no change either way).
     walk: the narrow units may run the Gluon row walk (`hopper_rows.supports`: G 1, a step
-    with no position mask). It takes them where no wide launch of <= 64 rows runs beside it
-    (max_wide_rows 0, or 128-row tiles): one-warp CTAs, 8 an SM, K tiles of 4 KB (16 keys in
-    16-bit, 32 in fp8), 2 stages, items from a counter (with a fixed stride, the CTAs that wait
-    for room beside the products held their share: 1.16x slower on b256 ctx2560 sh2048).
-    Measured on an H200 in issue 25 part nine; beside the one-row-warpgroup CTA (or Triton's
-    32-row tiles) Table 3's rows with tails were 4-15% slower.
+    with no position mask). An fp8 cache's take it where no wide launch of <= 64 rows runs
+    beside it (max_wide_rows 0, or 128-row tiles): one-warp CTAs, 8 an SM, K tiles of 4 KB (32
+    keys), 2 stages, items from a counter (with a fixed stride, the CTAs that wait for room
+    beside the products held their share). On an H200 (issue 25 part nine): paged decode
+    0.83-0.89x, the engine's 1,024 x 16K step 0.966x. Not taken: beside the one-row-warpgroup
+    CTA or Triton's 32-row tiles (Table 3's rows with tails 4-15% slower), and over 16-bit
+    caches (paged decode within 0.6%; the engine's 1,024 x 16K step 1-4% slower, though the
+    step's attention alone measured 7-13% faster).
     """
     block_n = 64 if head_dim > 64 else 128
     if itemsize >= 4:
         block_n //= 2
     wide_m = min(128, max(32, next_pow2(max_wide_rows)))
     narrow = KernelConfig(NARROW_ROWS, block_n, num_warps=2)
-    if walk and (max_wide_rows == 0 or wide_m == 128):
-        tile_keys = 4096 // (head_dim * (1 if fp8 else itemsize))
-        narrow = KernelConfig(NARROW_ROWS, tile_keys, num_warps=1, programs_per_sm=8,
+    if walk and fp8 and (max_wide_rows == 0 or wide_m == 128):
+        narrow = KernelConfig(NARROW_ROWS, 4096 // head_dim, num_warps=1, programs_per_sm=8,
                               maxnreg=NARROW_REGS_BESIDE_GLUON, dynamic=True, walk=True)
     elif fp8:
         narrow = KernelConfig(NARROW_ROWS, block_n // 2, num_warps=2, num_stages=5)
