@@ -124,8 +124,8 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     beside the products held their share). On an H200 (issue 25 part nine): paged decode
     0.83-0.89x, the engine's 1,024 x 16K step 0.966x. Not taken: beside the one-row-warpgroup
     CTA or Triton's 32-row tiles (Table 3's rows with tails 4-15% slower), and over 16-bit
-    caches (paged decode within 0.6%; the engine's 1,024 x 16K step 1-4% slower, though the
-    step's attention alone measured 7-13% faster).
+    caches (paged decode within 0.6%; the engine's 1,024 x 16K step 1-4% slower, though that
+    step's attention launches alone measured 2-13% faster at 9 of 10 tail lengths).
     """
     block_n = 64 if head_dim > 64 else 128
     if itemsize >= 4:
