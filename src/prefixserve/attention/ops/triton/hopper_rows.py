@@ -8,7 +8,7 @@ nothing and a program walks one tile at a time, its loads behind its math. Here 
 one warp (8 an SM; 89-128 registers a thread and 16 KB of shared memory, so that they also
 fit beside the Gluon wide CTA: `hopper.MAXNREG`), walking work items (item w: unit w // Hkv,
 KV head w % Hkv; first p, then p + P, ... or, DYNAMIC, the next of a device counter, as
-`attend._take`: a CTA that waits for room beside the products holds one item, not 1/P of
+`attend._take`, `_next_item`: a CTA that waits for room beside the products holds one item, not 1/P of
 them), each row of a unit's one walk over its tiles, with
 
     a TMA ring   STAGES tiles [BLOCK_N, D] of K and of V (`ready`: one mbarrier a stage),
@@ -82,16 +82,6 @@ def _quantize(x, inv):
 
 
 @gluon.jit
-def _take(queue, pid, taken, DYNAMIC: gl.constexpr):
-    """The program's next work item after `taken` ones: p + taken * P, or DYNAMIC (after its
-    first, p) P + the next of queue[0]."""
-    w = pid + taken * gl.num_programs(0)
-    if DYNAMIC:
-        w = gl.num_programs(0) + gl.atomic_add(queue, 1, sem="relaxed")
-    return w
-
-
-@gluon.jit
 def _item(units, w, num_work, HKV: gl.constexpr, TPE: gl.constexpr):
     """Item w's first entry, tiles of one row's walk, tiles of all its rows' (0 past the work)."""
     ok = w < num_work
@@ -99,6 +89,18 @@ def _item(units, w, num_work, HKV: gl.constexpr, TPE: gl.constexpr):
     e0 = gl.load(units + u * 6 + 2, mask=ok, other=0)
     per_row = (gl.load(units + u * 6 + 3, mask=ok, other=0) - e0) * TPE
     return e0, per_row, per_row * gl.load(units + u * 6 + 1, mask=ok, other=0)
+
+
+@gluon.jit
+def _next_item(queue, units, pid, taken, num_work, HKV: gl.constexpr, TPE: gl.constexpr,
+               DYNAMIC: gl.constexpr):
+    """The program's next work item after `taken` ones -- p + taken * P, or DYNAMIC (after its
+    first, p) P + the next of queue[0] -- and `_item` of it: (w, taken + 1, *_item)."""
+    w = pid + taken * gl.num_programs(0)
+    if DYNAMIC:
+        w = gl.num_programs(0) + gl.atomic_add(queue, 1, sem="relaxed")
+    e0, per_row, n = _item(units, w, num_work, HKV, TPE)
+    return w, taken + 1, e0, per_row, n
 
 
 @gluon.jit
@@ -169,9 +171,8 @@ def _rows_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
                         pjj = gl.where(pjj == p_row, 0, pjj)
                         issued += 1
                     elif pw == w:  # on to the next item
-                        pw = _take(queue, pid, taken, DYNAMIC)
-                        taken += 1
-                        p_e0, p_row, p_n = _item(units, pw, num_work, HKV, TPE)
+                        pw, taken, p_e0, p_row, p_n = _next_item(queue, units, pid, taken, num_work, HKV, TPE,
+                                                                 DYNAMIC)
                         pj = 0
                         pjj = 0
                     else:
@@ -214,10 +215,8 @@ def _rows_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
             if WRITE_LSE:
                 ln_l = (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453  # x ln 2
                 gl.store(lse + out * stride_lt + h, gl.where(seen, ln_l, float("-inf")))
-        if pw == w:
-            pw = _take(queue, pid, taken, DYNAMIC)
-            taken += 1
-            p_e0, p_row, p_n = _item(units, pw, num_work, HKV, TPE)
+        if pw == w:  # the producer had not moved on: the next item starts its ring tiles
+            pw, taken, p_e0, p_row, p_n = _next_item(queue, units, pid, taken, num_work, HKV, TPE, DYNAMIC)
             pj = 0
             pjj = 0
         w = pw
