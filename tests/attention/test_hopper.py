@@ -103,6 +103,7 @@ def test_gluon_wide_launch_matches_twin(dtype, hkv, g, d, chunk, items, sms, blo
     args, rows = shared_items(len(items) + d, dtype, hkv, g, d, chunk, items)
     dev = [x.to(DEVICE) for x in args]
     assert hopper.applies(dev[0], dev[1], block_m, False, None, False)
+    assert not hopper.applies(dev[0], dev[1], 16, False, None, False), "narrow tiles stay Triton's"
     o_ref, lse_ref = reference.attend_items(*args, 1.0 / d**0.5, rows)
     vmax = args[2].nan_to_num(0).abs().max().float()
     results = []

@@ -62,7 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .worklist import NARROW_REGS_BESIDE_GLUON
+from .worklist import NARROW_REGS_BESIDE_GLUON, NARROW_ROWS
 
 BLOCK_M = 128  # rows of a unit at most: two warpgroups of 64
 BLOCK_N = 64  # keys per K/V tile (128-key tiles of two chunks, 2 stages: 0.83-0.87x the speed)
@@ -79,9 +79,12 @@ MAXNREG = (512 - NARROW_REGS_BESIDE_GLUON) // 3 // 8 * 8
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, block_m: int, causal: bool,
             window: int | None, stores: bool) -> bool:
-    """Whether `launch` can run this wide launch (see the module docstring)."""
+    """Whether `launch` can run this wide launch (see the module docstring). Never a narrow
+    one (tiles of <= NARROW_ROWS rows): its units of 1-16 rows would pad a 64-row wgmma tile
+    (on an H200, 1,024 x 64-key tails took 988 us so, 518 in the row walk: kernels-notes.md,
+    issue 25 part nine)."""
     return (supports(q.device, q.dtype, k_cache.dtype, q.shape[-1], k_cache.shape[1])
-            and block_m <= BLOCK_M and not causal and window is None and not stores)
+            and NARROW_ROWS < block_m <= BLOCK_M and not causal and window is None and not stores)
 
 
 def supports(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
