@@ -74,7 +74,7 @@ def sweep(dtype: str, device: torch.device) -> list[dict[str, Any]]:
 
 def _split_times(be, row: Row, device: torch.device) -> dict:
     """The default run's parts alone: store_kv, each attend launch, both (forked), the merge."""
-    from ...attention.ops.triton.attend import launch_units, launch_worklist
+    from ...attention.ops.triton.attend import Merge, launch_units, launch_worklist
     from ...attention.ops.triton.merge import merge_rows
     from ...attention.ops.triton.store import store_kv
     p, x, kern = be.current, be.current.extra, be.kernels
@@ -90,17 +90,20 @@ def _split_times(be, row: Row, device: torch.device) -> dict:
     times = {"store_kv": timed(lambda: store_kv(row.k_cache, row.v_cache, row.k, row.v,
                                                 p.slots), device)}
     for name, la in zip(("narrow", "wide"), launches, strict=True):
-        if la.programs:
+        if la.programs:  # (a merging narrow launch alone: its merge reads stale partials)
+            merge = None if la.merge is None else Merge(la.merge[0], la.merge[1], o_s, lse_s, False)
+            o, lse = (o_s, lse_s) if merge is None else (out, None)
             times[name] = timed(functools.partial(launch_units, row.q, row.k_cache, row.v_cache, p.q_pos,
                                                   la.units, la.count, *idx, row.shape.scale,
-                                                  o_s, lse_s, la.cfg, la.causal, la.programs,
-                                                  new_kv if la.stores else None, queue=la.queue),
+                                                  o, lse, la.cfg, la.causal, la.programs,
+                                                  new_kv if la.stores else None, queue=la.queue,
+                                                  merge=merge),
                                 device)
             times[name + "_units"] = int(la.units.shape[0])
     times["both"] = timed(lambda: launch_worklist(row.q, row.k_cache, row.v_cache, p.q_pos,
                                                   launches, *idx, row.shape.scale, o_s, lse_s,
-                                                  kern.side, new_kv), device)
-    if not x["direct"]:
+                                                  kern.side, new_kv, final=(out, None)), device)
+    if not x["direct"] and not x["fused"]:
         times["merge"] = timed(lambda: merge_rows(o_s, lse_s, x["merge_indptr"],
                                                   x["merge_parts"], out, None), device)
     return {k: v if k.endswith("units") else round(1e6 * v, 2) for k, v in times.items()}

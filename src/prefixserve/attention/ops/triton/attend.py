@@ -25,6 +25,15 @@ held nothing else, the work list left it out: `worklist`), the key joins the sof
 registers after the walk, and the unit writes it into slots[t]. No program reads that slot
 in the step (`worklist.mark_stores`), so the write needs no ordering.
 
+MERGE (the narrow launch of a plan whose narrow units merge: worklist's `fused`): a unit
+(one row) keeps its partial in registers and merges it with the row's other partials
+(scratch rows `others`, written by the wide launch: after `griddepcontrol.wait` when PDL, the
+launch having started beside the wide one, which TRIGGERs its dependents as it starts), in
+MERGE_CHUNK partials at a time (one round trip each), writing the final row in o's dtype:
+
+    (m, d, acc) = (lse_own, 1, o_own);  per chunk: m' = max(m, max_i lse_i);
+    acc = acc e^(m - m') + sum_i e^(lse_i - m') o_i;  d likewise;  o = acc / d, lse = m + ln d
+
 FP8_CACHE (an fp8 cache, `reference`'s kv_scale [4, Hkv]): K/V tiles load as e4m3 (half the
 bytes) and widen to fp16 in registers, exactly (a bf16 q tile is taken to fp16:
 `store.fp8_query`); the head's K scale joins the score scale and its V scale multiplies the
@@ -45,6 +54,7 @@ import numpy.typing as npt
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..reference import FP8
 from .merge import merge_rows
@@ -52,6 +62,7 @@ from .store import K_INV_ROW, K_SCALE_ROW, V_INV_ROW, V_SCALE_ROW, fp8_query, qu
 from .worklist import KernelConfig, build_worklist, choose_configs, next_pow2
 
 _LOG2E = 1.4426950408889634
+MERGE_CHUNK = 8  # partials a merging narrow unit loads at once (a row's usually all of them)
 GLUON_TRITON = (3, 6)  # the Triton whose Gluon (an experimental API) the Hopper kernel is tested on
 log = logging.getLogger(__name__)
 
@@ -122,29 +133,37 @@ def _tile_update(qt, kt, vt, key_ok, k_pos, qp, m_i, l_i, acc, scale_log2, windo
 
 @triton.jit
 def _attend_kernel(q, k_cache, v_cache, q_pos, units, unit_count, kv_chunk, kv_lo, kv_hi, kv_pos,
-                   o, lse, k_new, v_new, slots, kv_scale, queue, stride_qt, stride_qh, stride_ot, stride_oh,
-                   stride_lt, stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, chunk_size,
+                   o, lse, k_new, v_new, slots, kv_scale, queue, fused, others, o_parts, lse_parts,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_kt, stride_kh,
+                   stride_vt, stride_vh, stride_pt, stride_ph, stride_lp, scale_log2, chunk_size,
                    window, HKV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    C_PAD: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
                    WRITE_LSE: tl.constexpr, STORE: tl.constexpr, PRECISION: tl.constexpr,
-                   DOT_FP32: tl.constexpr, FP8_CACHE: tl.constexpr, DYNAMIC: tl.constexpr):
+                   DOT_FP32: tl.constexpr, FP8_CACHE: tl.constexpr, DYNAMIC: tl.constexpr,
+                   MERGE: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
+                   CHUNK: tl.constexpr):
     # Persistent: program p takes work items p, p + P, p + 2P, ... of the unit_count[0] * HKV
     # (unit, KV head) pairs; units are longest first, so each stride of P items is balanced.
     # DYNAMIC: programs take the items in order from a device counter instead (`_take`).
+    if TRIGGER:  # the merging narrow launch may start beside this one (`launch_worklist`)
+        gdc_launch_dependents()
     num_work = tl.load(unit_count) * HKV
     w = _take(queue, tl.program_id(0), DYNAMIC)
     while w < num_work:
         nxt = _take(queue, w + tl.num_programs(0), DYNAMIC)  # taken now: its latency under this item
+        merge = (fused, others, o_parts, lse_parts, stride_pt, stride_ph, stride_lp, w // HKV)
         _attend_unit(q, k_cache, v_cache, q_pos, kv_chunk, kv_lo, kv_hi, kv_pos, o, lse,
-                     k_new, v_new, slots, kv_scale, _unit_head(units, w // HKV), w % HKV,
+                     k_new, v_new, slots, kv_scale, _unit_head(units, w // HKV), w % HKV, merge,
                      stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_kt, stride_kh,
                      stride_vt, stride_vh, scale_log2, chunk_size, window, HKV, G, HEAD_DIM,
                      BLOCK_D, BLOCK_M, BLOCK_N, C_PAD, CAUSAL, SLIDING, WRITE_LSE, STORE,
-                     PRECISION, DOT_FP32, FP8_CACHE)
+                     PRECISION, DOT_FP32, FP8_CACHE, MERGE, PDL, CHUNK)
         w = nxt
     if DYNAMIC:
         _release_queue(queue)
+    if PDL:  # every program: this launch ends after the wide one, so the next kernel sees both
+        gdc_wait()
 
 
 @triton.jit
@@ -179,16 +198,23 @@ def _release_queue(queue):
 
 @triton.jit
 def _attend_unit(q, k_cache, v_cache, q_pos, kv_chunk, kv_lo, kv_hi, kv_pos, o, lse,
-                 k_new, v_new, slots, kv_scale, unit, h, stride_qt, stride_qh, stride_ot, stride_oh,
-                 stride_lt, stride_kt, stride_kh, stride_vt, stride_vh, scale_log2, chunk_size,
-                 window, HKV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 k_new, v_new, slots, kv_scale, unit, h, merge, stride_qt, stride_qh, stride_ot,
+                 stride_oh, stride_lt, stride_kt, stride_kh, stride_vt, stride_vh, scale_log2,
+                 chunk_size, window, HKV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  C_PAD: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
                  WRITE_LSE: tl.constexpr, STORE: tl.constexpr, PRECISION: tl.constexpr,
-                 DOT_FP32: tl.constexpr, FP8_CACHE: tl.constexpr):
+                 DOT_FP32: tl.constexpr, FP8_CACHE: tl.constexpr, MERGE: tl.constexpr,
+                 PDL: tl.constexpr, CHUNK: tl.constexpr):
     """The unit whose header is `unit` (`_unit_head`) x KV head h: the tile walk described in
-    the module docstring."""
+    the module docstring. merge: (fused, others, o_parts, lse_parts, their three strides, the
+    unit's index), read iff MERGE."""
     q_start, q_len, e0, e1, out, t = unit
+    if MERGE:  # the row to merge and its first partials' scratch rows: loaded now, under the walk
+        fused, others, o_parts, lse_parts, stride_pt, stride_ph, stride_lp, u = merge
+        f, first, count = tl.load(fused + u * 3), tl.load(fused + u * 3 + 1), tl.load(fused + u * 3 + 2)
+        c = tl.arange(0, CHUNK)
+        parts0 = tl.load(others + first + c, mask=c < count, other=0).to(tl.int64)
     row_stride = HKV * HEAD_DIM  # elements per cache slot; caches are contiguous
     head_off = h * HEAD_DIM
     d = tl.arange(0, BLOCK_D)
@@ -288,16 +314,78 @@ def _attend_unit(q, k_cache, v_cache, q_pos, kv_chunk, kv_lo, kv_hi, kv_pos, o, 
     o_tile = acc / tl.where(seen, l_i, 1.0)[:, None]
     if FP8_CACHE:
         o_tile = o_tile * tl.load(kv_scale + V_SCALE_ROW * HKV + h)
-    o_ptr = o + (out + row)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh
-    tl.store(o_ptr + d[None, :], o_tile.to(o.dtype.element_ty),
-             mask=_rows_mask(row_ok, col_ok, BLOCK_D == HEAD_DIM))
+    ln_l = (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453  # x ln 2
+    lse_row = tl.where(seen, ln_l, float("-inf"))
+    if MERGE:
+        if PDL:  # the wide launch's partials are written and visible past this
+            gdc_wait()
+        for g in tl.static_range(G):  # row 0 (one-row units) x head h * G + g
+            _merge_row(o_tile, lse_row, m == g, parts0, first, count, others, o_parts, lse_parts,
+                       stride_pt, stride_ph, stride_lp, o + f.to(tl.int64) * stride_ot
+                       + (h * G + g) * stride_oh, lse + f.to(tl.int64) * stride_lt + h * G + g,
+                       h * G + g, d, HEAD_DIM, WRITE_LSE, CHUNK)
+    else:
+        o_ptr = o + (out + row)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh
+        tl.store(o_ptr + d[None, :], o_tile.to(o.dtype.element_ty),
+                 mask=_rows_mask(row_ok, col_ok, BLOCK_D == HEAD_DIM))
+        if WRITE_LSE:
+            tl.store(lse + (out + row).to(tl.int64) * stride_lt + head, lse_row, mask=row_ok)
+
+
+@triton.jit
+def _merge_row(o_tile, lse_rows, lane, parts0, first, count, others, o_parts, lse_parts, stride_pt,
+               stride_ph, stride_lp, o_row, lse_out, head, d, HEAD_DIM: tl.constexpr,
+               WRITE_LSE: tl.constexpr, CHUNK: tl.constexpr):
+    """MERGE: the partial in the `lane` row of (o_tile [BLOCK_M, BLOCK_D], lse_rows) with the
+    `count` scratch rows others[first:] (parts0: the first CHUNK of them, loaded), at query
+    head `head`, into o_row [BLOCK_D] (o's dtype) and, if WRITE_LSE, lse_out."""
+    d_ok = d < HEAD_DIM
+    m = tl.max(tl.where(lane, lse_rows, float("-inf")), 0)
+    acc = tl.sum(tl.where(lane[:, None], o_tile, 0.0), 0)  # [BLOCK_D]: 0 where it saw no key
+    denom = tl.where(m == float("-inf"), 0.0, 1.0)
+    c = tl.arange(0, CHUNK)
+    m, denom, acc = _merge_chunk(parts0, c < count, m, denom, acc, o_parts, lse_parts, stride_pt,
+                                 stride_ph, stride_lp, head, d, d_ok)
+    for c0 in range(CHUNK, count, CHUNK):  # rows with more partials than a chunk
+        ok = c0 + c < count
+        parts = tl.load(others + first + c0 + c, mask=ok, other=0).to(tl.int64)
+        m, denom, acc = _merge_chunk(parts, ok, m, denom, acc, o_parts, lse_parts, stride_pt,
+                                     stride_ph, stride_lp, head, d, d_ok)
+    seen = denom > 0.0
+    tl.store(o_row + d, (acc / tl.where(seen, denom, 1.0)).to(o_row.dtype.element_ty), mask=d_ok)
     if WRITE_LSE:
-        ln_l = (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453  # x ln 2
-        lse_row = tl.where(seen, ln_l, float("-inf"))
-        tl.store(lse + (out + row).to(tl.int64) * stride_lt + head, lse_row, mask=row_ok)
+        tl.store(lse_out, tl.where(seen, m + tl.log(tl.where(seen, denom, 1.0)), float("-inf")))
+
+
+@triton.jit
+def _merge_chunk(parts, ok, m, denom, acc, o_parts, lse_parts, stride_pt, stride_ph, stride_lp,
+                 head, d, d_ok):
+    """(m, denom, acc [BLOCK_D]) merged with the partials at scratch rows parts [CHUNK] where ok
+    (read through L2: another SM wrote them)."""
+    lse_i = tl.load(lse_parts + parts * stride_lp + head, mask=ok, other=float("-inf"),
+                    cache_modifier=".cg")
+    o_i = tl.load(o_parts + parts[:, None] * stride_pt + head * stride_ph + d[None, :],
+                  mask=ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+    m_new = tl.maximum(m, tl.max(lse_i, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    w = tl.exp(lse_i - m_safe)  # [CHUNK]: 0 where not ok
+    acc = acc * alpha + tl.sum(w[:, None] * o_i, 0)
+    return m_new, denom * alpha + tl.sum(w, 0), acc
 
 
 NewKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # k, v [T, Hkv, D], slots [T] int64
+
+
+@dataclasses.dataclass(frozen=True)
+class Merge:
+    """What a merging narrow launch reads (MERGE, worklist's `fused`)."""
+
+    rows: torch.Tensor  # [>= Un, 3] int32: each unit's (final row, others start, count)
+    others: torch.Tensor  # [>= M] int32: scratch rows
+    o_parts: torch.Tensor  # [S, Hq, D] fp32: the wide launch's partials (the scratch rows)
+    lse_parts: torch.Tensor  # [S, Hq] fp32
+    pdl: bool  # launched beside the wide launch, which triggers it (CUDA: programmatic dependent launch)
 
 
 def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor,
@@ -305,7 +393,8 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  kv_hi: torch.Tensor, kv_pos: torch.Tensor, scale: float, o: torch.Tensor,
                  lse: torch.Tensor | None, cfg: KernelConfig, causal: bool, programs: int,
                  new_kv: NewKV | None = None, window: int | None = None,
-                 kv_scale: torch.Tensor | None = None, queue: torch.Tensor | None = None) -> None:
+                 kv_scale: torch.Tensor | None = None, queue: torch.Tensor | None = None,
+                 merge: Merge | None = None, trigger: bool = False) -> None:
     """Run the first count[0] units of `units` ([>= count, 6] int32, see worklist; count: [1]
     int32 on the device, so a CUDA graph replays any number) on a persistent grid of
     `programs` programs, into o [*, Hq, D] (any float dtype) and, unless lse is None, lse
@@ -314,7 +403,8 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     [T] int64) for units that store their row's new key (worklist `stores`). window: a sliding
     layer's (then every launch masks by position, both bounds); None: none. kv_scale: [4, Hkv]
     fp32, given iff the cache is fp8. queue: [2] int32 on the device, zero (and zero again
-    after the launch), given iff cfg.dynamic."""
+    after the launch), given iff cfg.dynamic. merge: the units merge their rows (o, lse are
+    then the final rows: see MERGE); trigger: a merging launch follows this one (PDL)."""
     t, hq, d = q.shape
     n_chunks, chunk_size, hkv, d_cache = k_cache.shape
     assert d_cache == d and hq % hkv == 0 and v_cache.shape == k_cache.shape
@@ -330,6 +420,7 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     assert lse is None or (lse.dtype == torch.float32 and lse.shape == o.shape[:2])
     assert cfg.dynamic == (queue is not None), "a dynamic launch, and only it, takes a queue"
     assert queue is None or (queue.dtype == torch.int32 and queue.shape == (2,))
+    assert merge is None or not (cfg.dynamic or cfg.walk), "a merging launch strides its units"
     if programs == 0:  # (the narrow class is empty when G > NARROW_ROWS)
         return
     g = hq // hkv
@@ -339,15 +430,27 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         assert k.shape == v.shape and k.shape[1:] == k_cache.shape[2:]
         assert slots.shape == k.shape[:1]
         assert k.stride(-1) == 1 and v.stride(-1) == 1 and slots.dtype == torch.int64
+    cuda = q.device.type == "cuda"
+    if merge is not None:
+        parts = (merge.rows, merge.others, merge.o_parts, merge.lse_parts)
+        assert merge.o_parts.dtype == merge.lse_parts.dtype == torch.float32
+        assert merge.rows.dtype == merge.others.dtype == torch.int32
+        assert merge.o_parts.stride(-1) == 1 and merge.lse_parts.stride(-1) == 1
+        part_strides = (merge.o_parts.stride(0), merge.o_parts.stride(1), merge.lse_parts.stride(0))
+    else:
+        parts, part_strides = (q_pos, q_pos, o, o), (0, 0, 0)
     args = (q, k_cache, v_cache, q_pos, units, count, kv_chunk, kv_lo, kv_hi, kv_pos, o,
             o if lse is None else lse, k, v, q_pos if slots is None else slots,
-            q_pos if kv_scale is None else kv_scale, q_pos if queue is None else queue, q.stride(0),
-            q.stride(1), o.stride(0), o.stride(1), 0 if lse is None else lse.stride(0), k.stride(0),
-            k.stride(1), v.stride(0), v.stride(1), scale * _LOG2E, chunk_size, window or 0)
+            q_pos if kv_scale is None else kv_scale, q_pos if queue is None else queue, *parts,
+            q.stride(0), q.stride(1), o.stride(0), o.stride(1), 0 if lse is None else lse.stride(0),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), *part_strides, scale * _LOG2E,
+            chunk_size, window or 0)
+    pdl = merge is not None and merge.pdl and cuda
     meta: dict[str, int | bool | str] = dict(
         HKV=hkv, G=g, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, C_PAD=next_pow2(chunk_size), CAUSAL=causal, SLIDING=window is not None,
         WRITE_LSE=lse is not None, STORE=new_kv is not None, FP8_CACHE=fp8, DYNAMIC=cfg.dynamic,
+        MERGE=merge is not None, PDL=pdl, TRIGGER=trigger and cuda, CHUNK=MERGE_CHUNK,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # the interpreter (CPU tensors) multiplies raw bf16 bits in tl.dot (triton 3.9): upcast
         # there, exactly (the products are then of the same bf16 values, in fp32)
@@ -355,7 +458,9 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.maxnreg:
         meta["maxnreg"] = cfg.maxnreg
-    if q.device.type == "cuda":
+    if pdl:
+        meta["launch_pdl"] = True
+    if cuda:
         walk = hopper_module("hopper_rows") if cfg.walk else None
         if walk and walk.applies(q, k_cache, cfg.block_n, causal, window):
             walk.launch(q, k_cache, v_cache, units, count, kv_chunk, kv_lo, kv_hi, scale, o, lse, programs,
@@ -365,7 +470,7 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         if hopper and hopper.applies(q, k_cache, cfg.block_m, causal, window, slots is not None):
             hopper.launch(q, k_cache, v_cache, units, count, kv_chunk, kv_lo, kv_hi, scale, o,
                           lse, min(programs, num_sms(q.device)), cfg.block_m,
-                          cfg.maxnreg or hopper.MAXNREG)
+                          cfg.maxnreg or hopper.MAXNREG, trigger)
             return
         programs = min(programs, resident_programs(args, meta, q.device))
     _attend_kernel[(programs,)](*args, **meta)
@@ -408,6 +513,7 @@ class Launch:
     programs: int  # persistent grid size; 0: nothing to run
     stores: bool = False  # some unit stores its row's new key (the launch takes new_kv)
     queue: torch.Tensor | None = None  # [2] int32, iff cfg.dynamic: the launch's work counter
+    merge: tuple[torch.Tensor, torch.Tensor] | None = None  # narrow: (Merge.rows, .others) iff its units merge
 
 
 def grid_size(num_units: int, num_kv_heads: int, cfg: KernelConfig, sms: int,
@@ -424,18 +530,29 @@ def launch_worklist(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     kv_hi: torch.Tensor, kv_pos: torch.Tensor, scale: float, o: torch.Tensor,
                     lse: torch.Tensor | None, side: torch.cuda.Stream | None = None,
                     new_kv: NewKV | None = None, window: int | None = None,
-                    kv_scale: torch.Tensor | None = None) -> None:
-    """Both unit classes' launches (narrow, wide). With a side stream (CUDA) the wide launch
-    runs on it, concurrently with the narrow one; the current stream waits for it before
-    returning (graph capture records the fork and join). new_kv: as launch_units', for the
-    launches that store; window: a sliding layer's; kv_scale: an fp8 cache's."""
+                    kv_scale: torch.Tensor | None = None,
+                    final: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
+    """Both unit classes' launches (narrow, wide), writing o, lse. With a side stream (CUDA)
+    the wide launch runs on it, concurrently with the narrow one; the current stream waits for
+    it before returning (graph capture records the fork and join). new_kv: as launch_units',
+    for the launches that store; window: a sliding layer's; kv_scale: an fp8 cache's. final:
+    (o, lse or None) of the final rows, which a merging narrow launch (`Launch.merge`) writes
+    -- after the wide one on the same stream, started beside it by PDL."""
     idx = (kv_chunk, kv_lo, kv_hi, kv_pos)
 
-    def go(x: Launch) -> None:
-        launch_units(q, k_cache, v_cache, q_pos, x.units, x.count, *idx, scale, o, lse, x.cfg,
-                     x.causal, x.programs, new_kv if x.stores else None, window, kv_scale, x.queue)
+    def go(x: Launch, out: tuple[torch.Tensor, torch.Tensor | None] = (o, lse),
+           merge: Merge | None = None, trigger: bool = False) -> None:
+        launch_units(q, k_cache, v_cache, q_pos, x.units, x.count, *idx, scale, *out, x.cfg,
+                     x.causal, x.programs, new_kv if x.stores else None, window, kv_scale, x.queue,
+                     merge, trigger)
 
     narrow, wide = launches
+    if narrow.merge is not None:
+        assert final is not None and lse is not None, "a merging launch reads the partials"
+        pdl = bool(wide.programs)
+        go(wide, trigger=pdl)
+        go(narrow, final, Merge(*narrow.merge, o, lse, pdl))
+        return
     fork = side if narrow.programs and wide.programs else None  # a side stream, if both run
     if fork is not None:
         fork.wait_stream(torch.cuda.current_stream(q.device))
@@ -482,6 +599,8 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     narrow, wide = (Launch(dev(u), dev([len(u)]), cfg, causal, grid_size(len(u), hkv, cfg, sms, fixed=False),
                            queue=torch.zeros(2, dtype=torch.int32, device=q.device) if cfg.dynamic else None)
                     for u, cfg, causal in zip((wl.narrow, wl.wide), configs, wl.causal, strict=True))
+    if wl.fused is not None and wl.others is not None:
+        narrow = dataclasses.replace(narrow, merge=(dev(wl.fused), dev(wl.others)))
     launches = (narrow, wide)
     o = torch.zeros((num_out_rows, hq, d), dtype=torch.float32, device=q.device)
     lse = torch.full((num_out_rows, hq), float("-inf"), dtype=torch.float32, device=q.device)
@@ -493,7 +612,9 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     o_s = torch.empty((wl.num_partials, hq, d), dtype=torch.float32, device=q.device)
     lse_s = torch.empty((wl.num_partials, hq), dtype=torch.float32, device=q.device)
     launch_worklist(q, k_cache, v_cache, q_pos, launches, *idx, scale, o_s, lse_s, window=window,
-                    kv_scale=kv_scale)
+                    kv_scale=kv_scale, final=(o, lse))
+    if narrow.merge is not None:
+        return o, lse
     assert wl.merge_indptr is not None and wl.merge_parts is not None, "not direct: a merge"
     merge_rows(o_s, lse_s, dev(wl.merge_indptr), dev(wl.merge_parts), o, lse)
     return o, lse

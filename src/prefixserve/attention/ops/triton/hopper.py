@@ -324,7 +324,11 @@ def _wide_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, scale_log2, chunk_size,
                  HKV: gl.constexpr, G: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BLOCK_N: gl.constexpr, TPE: gl.constexpr, STAGES: gl.constexpr,
-                 WRITE_LSE: gl.constexpr, ROWS_REGS: gl.constexpr, ROW_GROUPS: gl.constexpr):
+                 WRITE_LSE: gl.constexpr, ROWS_REGS: gl.constexpr, ROW_GROUPS: gl.constexpr,
+                 TRIGGER: gl.constexpr):
+    if TRIGGER:  # a merging narrow launch may start beside this one (`attend.launch_worklist`)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], q.dtype.element_ty)
     q_smem = gl.allocate_shared_memory(q.dtype.element_ty, [ROW_GROUPS, 64, HEAD_DIM], q_layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -363,10 +367,11 @@ def _wide_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
 def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
            count: torch.Tensor, kv_chunk: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
            scale: float, o: torch.Tensor, lse: torch.Tensor | None, programs: int,
-           block_m: int = BLOCK_M, maxnreg: int = MAXNREG) -> None:
+           block_m: int = BLOCK_M, maxnreg: int = MAXNREG, trigger: bool = False) -> None:
     """`attend.launch_units` for a launch that `applies`: the first count[0] units on a
     persistent grid of `programs` CTAs (at most one per SM: its shared memory and `maxnreg`
-    registers a thread leave room for narrow programs only, not a second CTA)."""
+    registers a thread leave room for narrow programs only, not a second CTA). trigger: a
+    merging narrow launch follows (programmatic dependent launch: it starts beside this one)."""
     n_chunks, chunk_size, hkv, d = k_cache.shape
     g = q.shape[1] // hkv
     dtype = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
@@ -379,7 +384,8 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), 0 if lse is None else lse.stride(0),
         scale * 1.4426950408889634, chunk_size, HKV=hkv, G=g, HEAD_DIM=d, BLOCK_N=BLOCK_N,
         TPE=chunk_size // BLOCK_N, STAGES=STAGES, WRITE_LSE=lse is not None,
-        ROWS_REGS=rows_regs(maxnreg), ROW_GROUPS=groups, num_warps=4, maxnreg=maxnreg)
+        ROWS_REGS=rows_regs(maxnreg), ROW_GROUPS=groups, TRIGGER=trigger, num_warps=4,
+        maxnreg=maxnreg)
 
 
 def rows_regs(maxnreg: int) -> int:

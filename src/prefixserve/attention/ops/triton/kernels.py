@@ -6,7 +6,9 @@ a position mask; see `worklist`), uploaded lazily like the plan's own arrays.
 run time (per layer): store_kv, unless the attend units write the new keys themselves (a
 decode step: `worklist.mark_stores`); the narrow and wide attend launches (two streams,
 persistent grids); one merge launch when the schedule merges or an item was split -- which
-writes the output in q's dtype directly.
+writes the output in q's dtype directly -- unless the narrow units merge their rows
+(`worklist`'s `fused`: then the narrow launch follows the wide one on one stream, started
+beside it by programmatic dependent launch, and writes the output).
 
 A padded plan (a CUDA-graph decode step) fixes everything a captured launch bakes in: the
 launch shapes (chosen for the graph's padded row count), the grids (programs_per_sm x SMs,
@@ -16,6 +18,8 @@ whether the units store the new keys, which a graph bakes in as well).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
@@ -51,7 +55,7 @@ class TritonKernels:
         # classes run concurrently; a class's launches run one after another on its stream)
         self.queues = torch.zeros((2, 2), dtype=torch.int32, device=shape.device)
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._padded_stores: tuple[bool, bool, bool] | None = None  # (any, narrow, wide)
+        self._padded_stores: tuple[bool, bool, bool, bool] | None = None  # (any, narrow, wide, fused)
 
     def plan_extra(self, batch: AttentionBatch, arrays: HostArrays) -> HostExtras:
         """Work list of a plan's index arrays: device arrays `narrow`, `wide` (units),
@@ -91,9 +95,10 @@ class TritonKernels:
                   bool(wl.stores and (wl.wide[:, 5] != -1).any()))  # (any, narrow, wide)
         if padded:
             self._reserve_scratch(wl.num_partials)
-            # (fixed in practice: decode tails are narrow units iff G <= 16)
-            if stores != self._padded_stores:
-                self._padded_stores = stores
+            # (fixed in practice: decode tails are narrow units iff G <= 16; the narrow units
+            # merge unless a row's tail is split)
+            if (*stores, wl.fused is not None) != self._padded_stores:
+                self._padded_stores = (*stores, wl.fused is not None)
                 self.generation += 1
         shapes = {f"{c}_{k}": getattr(cfg, k) for c, cfg in zip(("narrow", "wide"), configs, strict=True)
                   for k in _SHAPE_KEYS}
@@ -104,6 +109,9 @@ class TritonKernels:
         return {"narrow": _addressable(wl.narrow), "wide": _addressable(wl.wide),
                 "unit_counts": np.array([len(wl.narrow), len(wl.wide)], np.int64),
                 "merge_indptr": wl.merge_indptr, "merge_parts": wl.merge_parts,
+                "fused": int(wl.fused is not None),
+                "merge_rows": None if wl.fused is None else _addressable(wl.fused),
+                "merge_others": None if wl.others is None else _addressable(wl.others),
                 "num_partials": wl.num_partials, "direct": int(wl.direct), "stores": int(wl.stores),
                 "stores_narrow": int(stores[1]), "stores_wide": int(stores[2]),
                 "causal_narrow": int(wl.causal[0]), "causal_wide": int(wl.causal[1]),
@@ -127,8 +135,9 @@ class TritonKernels:
         scratch = self._scratch if plan.padded else self._new_scratch(_int(x, "num_partials"))
         assert scratch is not None, "plan_extra reserves a padded plan's scratch"
         o_s, lse_s = scratch
-        launch_worklist(*args, o_s, lse_s, self.side, new_kv, window, kv_scale)
-        merge_rows(o_s, lse_s, _tensor(x, "merge_indptr"), _tensor(x, "merge_parts"), out, None)
+        launch_worklist(*args, o_s, lse_s, self.side, new_kv, window, kv_scale, final=(out, None))
+        if not _int(x, "fused"):
+            merge_rows(o_s, lse_s, _tensor(x, "merge_indptr"), _tensor(x, "merge_parts"), out, None)
         return out
 
     @staticmethod
@@ -143,6 +152,8 @@ class TritonKernels:
                                _int(x, f"{c}_programs"), bool(x[f"stores_{c}"]),
                                self.queues[i] if cfg.dynamic else None)
                         for i, (c, cfg) in enumerate(zip(("narrow", "wide"), cfgs, strict=True)))
+        if _int(x, "fused"):
+            narrow = dataclasses.replace(narrow, merge=(_tensor(x, "merge_rows"), _tensor(x, "merge_others")))
         return narrow, wide
 
     def _new_scratch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

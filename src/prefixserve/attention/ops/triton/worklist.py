@@ -49,6 +49,17 @@ merge combines them with the schedule's own merge in one pass:
 With a single split everywhere the scratch rows are the partial rows themselves (base = out_start,
 no copy of the schedule's merge is made), and with neither splits nor a schedule merge the
 kernel writes the output directly (`direct`).
+
+The merge in the narrow units (`fused`). Where every final row has exactly one narrow
+partial, of a one-row unit (decode: the row's own tail, holding its new key), that unit
+merges the row: it keeps its own partial in registers, waits for the wide launch to end
+(programmatic dependent launch on the GPU: the narrow launch starts beside the wide one, and
+`griddepcontrol.wait` orders the reads), and reads the row's other partials (`others`, in the
+merge's order) -- no merge launch, no second stream. Rows with no partial (a CUDA graph's
+padding) get a unit with no keys, which writes their zeros. Not where the narrow launch takes
+units from a counter or is the row walk (beside the 128-row products: a unit waiting for their
+end would hold its program's room while units are left to walk, and the tails would stop
+streaming under them).
 """
 
 from __future__ import annotations
@@ -154,6 +165,9 @@ class WorkList:
     direct: bool  # no merge: units write final rows (out_row indexes the output)
     causal: tuple[bool, bool]  # (narrow, wide): some row precedes one of its unit's keys
     stores: bool  # units write every row's new key (store != -1, see above); no store launch
+    fused: np.ndarray | None = None  # [Un, 3]: each narrow unit's (final row, others start,
+    # count), where the narrow units merge (see above; narrow then ends in the padding rows' units)
+    others: np.ndarray | None = None  # [M]: the scratch rows a narrow unit merges with its own
 
 
 def _csr(counts: np.ndarray) -> np.ndarray:
@@ -248,15 +262,50 @@ def build_worklist(q_start: npt.ArrayLike, q_len: npt.ArrayLike, out_start: npt.
               positions is None or needs_causal(wide, *positions))
     stores = (kv_chunk is not None and positions is not None and not any(causal)
               and mark_stores([narrow, wide], q_start, q_len, kv_chunk, *positions))
-    if scratch:
-        return WorkList(narrow, wide, int((num_splits * q_len).sum()),
-                        *_merge_csr(q_len, out_start, num_splits, base, num_rows, row_indptr,
-                                    row_parts), direct=False, causal=causal, stores=stores)
-    if row_indptr is None:
+    if not scratch and row_indptr is None:
         return WorkList(narrow, wide, num_rows, None, None, direct=True, causal=causal,
                         stores=stores)
-    return WorkList(narrow, wide, int(q_len.sum()), np.asarray(row_indptr, np.int64),
-                    np.asarray(row_parts, np.int64), direct=False, causal=causal, stores=stores)
+    if scratch:
+        num_partials = int((num_splits * q_len).sum())
+        indptr, parts = _merge_csr(q_len, out_start, num_splits, base, num_rows, row_indptr, row_parts)
+    else:
+        num_partials = int(q_len.sum())
+        indptr, parts = np.asarray(row_indptr, np.int64), np.asarray(row_parts, np.int64)
+    fused = None if configs[0].dynamic or configs[0].walk else _fused_merge(narrow, indptr, parts,
+                                                                               num_partials)
+    if fused is None:
+        return WorkList(narrow, wide, num_partials, indptr, parts, direct=False, causal=causal,
+                        stores=stores)
+    return WorkList(fused[0], wide, num_partials, indptr, parts, direct=False, causal=causal,
+                    stores=stores, fused=fused[1], others=fused[2])
+
+
+def _fused_merge(narrow: np.ndarray, indptr: np.ndarray, parts: np.ndarray,
+                 num_partials: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(narrow units + a unit with no keys for each row without partials, [Un, 3] (final row,
+    others start, count) per unit, others [M]) where every final row with partials has exactly
+    one narrow partial, of a one-row unit (see the module docstring); else None."""
+    if len(narrow) == 0 or (narrow[:, 1] != 1).any():
+        return None
+    num_rows = len(indptr) - 1
+    counts = np.diff(indptr)
+    row_of = np.repeat(np.arange(num_rows), counts)  # [M]: the final row of each merge position
+    final_of = np.full(num_partials, -1, np.int64)
+    final_of[parts] = row_of
+    final = final_of[narrow[:, 4]]  # each narrow unit's final row (its one partial row's)
+    if (np.bincount(final, minlength=num_rows)[counts > 0] != 1).any():
+        return None  # a row with no narrow partial or with two
+    own = np.full(num_rows, -1, np.int64)
+    own[final] = narrow[:, 4]
+    keep = parts != own[row_of]
+    kept = np.bincount(row_of[keep], minlength=num_rows)
+    empty = np.nonzero(counts == 0)[0]  # a graph's padding rows: their zeros (the unit reads
+    # query row 0, any row: final rows need not be query rows; it writes no partial)
+    ones, zeros = np.ones_like(empty), np.zeros_like(empty)
+    pad = np.stack([zeros, ones, zeros, zeros, zeros, -ones], 1)
+    rows = np.r_[final, empty]
+    return (np.concatenate([narrow, pad]), np.stack([rows, _csr(kept)[rows], kept[rows]], 1),
+            parts[keep])
 
 
 def _range_reduce(ufunc: np.ufunc, values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
