@@ -60,7 +60,8 @@ def _arg(a, persistent: dict[str, torch.Tensor]):
 
 
 def _check_attend(grid, q, k_cache, v_cache, q_pos, units, count, kv_chunk, kv_lo, kv_hi, kv_pos, o,
-                  lse, k_new, v_new, slots, *rest, STORE, **meta):
+                  lse, k_new, v_new, slots, kv_scale, queue, fused, others, o_parts, *rest, STORE,
+                  MERGE, **meta):
     """Every index the attend kernel follows stays inside what it indexes (on a GPU: else an
     illegal address)."""
     n_units = int(count[0])
@@ -68,8 +69,15 @@ def _check_attend(grid, q, k_cache, v_cache, q_pos, units, count, kv_chunk, kv_l
     u = units[:n_units].long()
     q_start, q_len, e0, e1, out, store = u.unbind(1)
     assert ((q_start >= 0) & (q_len >= 1) & (q_start + q_len <= q.shape[0])).all(), u
-    assert ((e0 >= 0) & (e0 < e1) & (e1 <= kv_chunk.numel())).all(), (u, kv_chunk.numel())
-    assert ((out >= 0) & (out + q_len <= o.shape[0])).all(), (u, o.shape)
+    # (e0 == e1: a unit with no keys, a padding row's whose merge writes its zeros)
+    assert ((e0 >= 0) & (e0 <= e1) & (e1 <= kv_chunk.numel())).all(), (u, kv_chunk.numel())
+    if MERGE:  # the units merge: final rows and the scratch rows they read
+        f, first, n = fused[:n_units].long().unbind(1)
+        assert ((f >= 0) & (f < o.shape[0]) & (first >= 0) & (first + n <= others.numel())).all()
+        used = others[:int((first + n).max()) if n_units else 0].long()
+        assert ((used >= 0) & (used < o_parts.shape[0])).all()
+    else:
+        assert ((out >= 0) & (out + q_len <= o.shape[0])).all(), (u, o.shape)
     num_chunks, size = k_cache.shape[:2]
     for e in range(n_units and int(e1.max())):
         chunk, lo, hi = int(kv_chunk[e]), int(kv_lo[e]), int(kv_hi[e])
