@@ -29,12 +29,16 @@ def test_buckets_cover_every_batch_with_little_padding(max_rows):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("backend", ["paged", "hydragen", "chunk", "auto", "no-attention"])
-def test_graphs_replay_what_eager_computes(tmp_path, backend):
-    """Eager one step at a time, graphs one step at a time, graphs overlapped (the default)."""
+@pytest.mark.parametrize("backend,n", [(b, 3) for b in ("paged", "hydragen", "chunk", "auto", "no-attention")]
+                         + [("relay", 8), ("auto", 8)])
+def test_graphs_replay_what_eager_computes(tmp_path, backend, n):
+    """Eager one step at a time, graphs one step at a time, graphs overlapped (the default).
+    n 8: each prompt's 8 samples x G 4 make wide units, and the decode steps' narrow units
+    merge the rows (`worklist`'s fused: the narrow launch started beside the wide one by
+    programmatic dependent launch, inside the graph)."""
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     prompts = [[5 + i for i in range(300)] + [700 + j, 800 + j] for j in range(3)]
-    params = SamplingParams(temperature=0, n=3, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0, n=n, max_tokens=40, ignore_eos=True)
     outs = {}
     for eager, overlap in ((True, False), (False, False), (False, True)):
         llm = LLM(model=str(tmp_path), load_format="dummy", dtype="float32", device="cuda",
@@ -44,5 +48,7 @@ def test_graphs_replay_what_eager_computes(tmp_path, backend):
         graphs = llm.engine.runner.rank.graphs
         assert (graphs is None) == eager and (eager or graphs.graphs)  # decode steps were captured
         assert llm.engine.runner.advanced_steps > 0
+        if backend == "relay" and not eager:  # (the last step's plan: a padded decode step's)
+            assert llm.engine.runner.rank.backend.current.extra["fused"] == 1
         llm.close()
     assert outs[False, False] == outs[True, False] == outs[False, True]
