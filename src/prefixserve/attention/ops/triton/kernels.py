@@ -55,7 +55,8 @@ class TritonKernels:
         # classes run concurrently; a class's launches run one after another on its stream)
         self.queues = torch.zeros((2, 2), dtype=torch.int32, device=shape.device)
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._padded_stores: tuple[bool, bool, bool, bool] | None = None  # (any, narrow, wide, fused)
+        # what a padded plan bakes into its graph besides shapes: stores (any, narrow, wide), fused
+        self._padded_baked: tuple[bool, bool, bool, bool] | None = None
 
     def plan_extra(self, batch: AttentionBatch, arrays: HostArrays) -> HostExtras:
         """Work list of a plan's index arrays: device arrays `narrow`, `wide` (units),
@@ -97,8 +98,8 @@ class TritonKernels:
             self._reserve_scratch(wl.num_partials)
             # (fixed in practice: decode tails are narrow units iff G <= 16; the narrow units
             # merge unless a row's tail is split)
-            if (*stores, wl.fused is not None) != self._padded_stores:
-                self._padded_stores = (*stores, wl.fused is not None)
+            if (*stores, wl.fused is not None) != self._padded_baked:
+                self._padded_baked = (*stores, wl.fused is not None)
                 self.generation += 1
         shapes = {f"{c}_{k}": getattr(cfg, k) for c, cfg in zip(("narrow", "wide"), configs, strict=True)
                   for k in _SHAPE_KEYS}
