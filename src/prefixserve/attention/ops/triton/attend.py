@@ -23,7 +23,9 @@ value at KV head h from k_new/v_new [T, Hkv, D] rather than from the cache: that
 last of the unit's last entry, so the tile walk ends one slot earlier there (or, if the entry
 held nothing else, the work list left it out: `worklist`), the key joins the softmax from
 registers after the walk, and the unit writes it into slots[t]. No program reads that slot
-in the step (`worklist.mark_stores`), so the write needs no ordering.
+in the step (`worklist.mark_stores`), so the write needs no ordering. ROW_KEYS (a wide launch
+that stores): a unit whose `store` is -2 - t holds the new keys of its rows t, t + 1, ...,
+each row its own (worklist's `_absorb_keys`), loaded as a [BLOCK_M, D] tile.
 
 MERGE (the narrow launch of a plan whose narrow units merge: worklist's `fused`): a unit
 (one row) keeps its partial in registers and merges it with the row's other partials
@@ -59,7 +61,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..reference import FP8
 from .merge import merge_rows
 from .store import K_INV_ROW, K_SCALE_ROW, V_INV_ROW, V_SCALE_ROW, fp8_query, quantize_fp8
-from .worklist import KernelConfig, build_worklist, choose_configs, next_pow2
+from .worklist import NARROW_ROWS, KernelConfig, build_worklist, choose_configs, next_pow2
 
 _LOG2E = 1.4426950408889634
 MERGE_CHUNK = 8  # partials a merging narrow unit loads at once (a row's usually all of them)
@@ -142,7 +144,7 @@ def _attend_kernel(q, k_cache, v_cache, q_pos, units, unit_count, kv_chunk, kv_l
                    WRITE_LSE: tl.constexpr, STORE: tl.constexpr, PRECISION: tl.constexpr,
                    DOT_FP32: tl.constexpr, FP8_CACHE: tl.constexpr, DYNAMIC: tl.constexpr,
                    MERGE: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
-                   CHUNK: tl.constexpr):
+                   CHUNK: tl.constexpr, ROW_KEYS: tl.constexpr):
     # Persistent: program p takes work items p, p + P, p + 2P, ... of the unit_count[0] * HKV
     # (unit, KV head) pairs; units are longest first, so each stride of P items is balanced.
     # DYNAMIC: programs take the items in order from a device counter instead (`_take`).
@@ -158,7 +160,7 @@ def _attend_kernel(q, k_cache, v_cache, q_pos, units, unit_count, kv_chunk, kv_l
                      stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_kt, stride_kh,
                      stride_vt, stride_vh, scale_log2, chunk_size, window, HKV, G, HEAD_DIM,
                      BLOCK_D, BLOCK_M, BLOCK_N, C_PAD, CAUSAL, SLIDING, WRITE_LSE, STORE,
-                     PRECISION, DOT_FP32, FP8_CACHE, MERGE, PDL, CHUNK)
+                     PRECISION, DOT_FP32, FP8_CACHE, MERGE, PDL, CHUNK, ROW_KEYS)
         w = nxt
     if DYNAMIC:
         _release_queue(queue)
@@ -205,7 +207,7 @@ def _attend_unit(q, k_cache, v_cache, q_pos, kv_chunk, kv_lo, kv_hi, kv_pos, o, 
                  C_PAD: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
                  WRITE_LSE: tl.constexpr, STORE: tl.constexpr, PRECISION: tl.constexpr,
                  DOT_FP32: tl.constexpr, FP8_CACHE: tl.constexpr, MERGE: tl.constexpr,
-                 PDL: tl.constexpr, CHUNK: tl.constexpr):
+                 PDL: tl.constexpr, CHUNK: tl.constexpr, ROW_KEYS: tl.constexpr):
     """The unit whose header is `unit` (`_unit_head`) x KV head h: the tile walk described in
     the module docstring. merge: (fused, others, o_parts, lse_parts, their three strides, the
     unit's index), read iff MERGE."""
@@ -220,20 +222,29 @@ def _attend_unit(q, k_cache, v_cache, q_pos, kv_chunk, kv_lo, kv_hi, kv_pos, o, 
     d = tl.arange(0, BLOCK_D)
     if FP8_CACHE:  # scores and output in the dequantized units (exact: powers of two)
         scale_log2 = scale_log2 * tl.load(kv_scale + K_SCALE_ROW * HKV + h)
+    m = tl.arange(0, BLOCK_M)
+    row, head = m // G, h * G + m % G  # [BLOCK_M]
+    row_ok = row < q_len
+    col_ok = (d < HEAD_DIM)[None, :]
     if STORE:  # t: the row whose new key this unit holds (-1: none; see worklist's `store`)
         e_new = tl.where(t >= 0, e1 - 1, -1)  # the entry whose last slot is the new key, if any
         t = tl.where(t >= -1, t, -2 - t).to(tl.int64)
         # the new key and value and their slot: loaded now, so that their latency hides
         # under the walk (a decode tail is a tile or two: each dependent load costs as much)
-        d_new = tl.where(t >= 0, HEAD_DIM, 0)  # its columns (none without a new key)
-        kn = tl.load(k_new + t * stride_kt + h * stride_kh + d, mask=d < d_new)
-        vn = tl.load(v_new + t * stride_vt + h * stride_vh + d, mask=d < d_new)
-        dst = tl.load(slots + tl.maximum(t, 0)) * row_stride + head_off + d  # [BLOCK_D] (t -1: unused)
-
-    m = tl.arange(0, BLOCK_M)
-    row, head = m // G, h * G + m % G  # [BLOCK_M]
-    row_ok = row < q_len
-    col_ok = (d < HEAD_DIM)[None, :]
+        if ROW_KEYS:  # [BLOCK_M, BLOCK_D]: row r's own key r (t + row; one row where t >= 0)
+            key_row = (t + row).to(tl.int64)
+            own_ok = row_ok & (key_row >= row)  # t >= 0 (a [BLOCK_M] mask: the interpreter
+            # loads take no mask made with a scalar)
+            kv_ok = own_ok[:, None] & col_ok
+            kn = tl.load(k_new + key_row[:, None] * stride_kt + h * stride_kh + d[None, :], mask=kv_ok)
+            vn = tl.load(v_new + key_row[:, None] * stride_vt + h * stride_vh + d[None, :], mask=kv_ok)
+            dst = (tl.load(slots + key_row, mask=own_ok, other=0)[:, None] * row_stride + head_off
+                   + d[None, :])
+        else:  # [BLOCK_D]: a narrow unit's one row
+            d_new = tl.where(t >= 0, HEAD_DIM, 0)  # its columns (none without a new key)
+            kn = tl.load(k_new + t * stride_kt + h * stride_kh + d, mask=d < d_new)
+            vn = tl.load(v_new + t * stride_vt + h * stride_vh + d, mask=d < d_new)
+            dst = tl.load(slots + tl.maximum(t, 0)) * row_stride + head_off + d  # (t -1: unused)
     q_ptr = q + (q_start + row)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh
     qt = tl.load(q_ptr + d[None, :], mask=_rows_mask(row_ok, col_ok, BLOCK_D == HEAD_DIM),
                  other=0.0)
@@ -292,23 +303,32 @@ def _attend_unit(q, k_cache, v_cache, q_pos, kv_chunk, kv_lo, kv_hi, kv_pos, o, 
                                          DOT_FP32, FP8_CACHE and BLOCK_M <= 16)
 
     if STORE:
-        if t >= 0:  # the new key: one more online-softmax step (q_len 1: rows m < G, fp32),
-            # rounded to the cache's dtype first, as the store launch writes it and later
-            # steps read it
+        if t >= 0:  # the new key: one more online-softmax step (fp32), rounded to the cache's
+            # dtype first, as the store launch writes it and later steps read it
             if FP8_CACHE:
                 kc = quantize_fp8(kn, tl.load(kv_scale + K_INV_ROW * HKV + h))
                 vc = quantize_fp8(vn, tl.load(kv_scale + V_INV_ROW * HKV + h))
             else:
                 kc, vc = kn.to(k_cache.dtype.element_ty), vn.to(v_cache.dtype.element_ty)
-            s_new = tl.sum(qt.to(tl.float32) * kc.to(tl.float32)[None, :], 1) * scale_log2
+            if ROW_KEYS:  # each row its own key; rows past q_len score -inf
+                s_new = tl.sum(qt.to(tl.float32) * kc.to(tl.float32), 1) * scale_log2
+                s_new = tl.where(own_ok, s_new, float("-inf"))
+                v_add = vc.to(tl.float32)
+                first = own_ok & (m % G == 0)  # one write a key (its G heads share it)
+                mine = first[:, None] & col_ok
+            else:  # q_len 1: rows m < G
+                s_new = tl.sum(qt.to(tl.float32) * kc.to(tl.float32)[None, :], 1) * scale_log2
+                v_add = vc.to(tl.float32)[None, :]
+                mine = d < HEAD_DIM
             m_new = tl.maximum(m_i, s_new)
-            alpha = tl.exp2(m_i - m_new)
-            p_new = tl.exp2(s_new - m_new)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padding row: no key
+            alpha = tl.exp2(m_i - m_safe)
+            p_new = tl.exp2(s_new - m_safe)
             l_i = l_i * alpha + p_new
-            acc = acc * alpha[:, None] + p_new[:, None] * vc.to(tl.float32)[None, :]
+            acc = acc * alpha[:, None] + p_new[:, None] * v_add
             m_i = m_new
-            tl.store(k_cache + dst, kc, mask=d < HEAD_DIM)
-            tl.store(v_cache + dst, vc, mask=d < HEAD_DIM)
+            tl.store(k_cache + dst, kc, mask=mine)
+            tl.store(v_cache + dst, vc, mask=mine)
 
     seen = l_i > 0.0
     o_tile = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -451,6 +471,7 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         BLOCK_N=cfg.block_n, C_PAD=next_pow2(chunk_size), CAUSAL=causal, SLIDING=window is not None,
         WRITE_LSE=lse is not None, STORE=new_kv is not None, FP8_CACHE=fp8, DYNAMIC=cfg.dynamic,
         MERGE=merge is not None, PDL=pdl, TRIGGER=trigger and cuda, CHUNK=MERGE_CHUNK,
+        ROW_KEYS=new_kv is not None and cfg.block_m > NARROW_ROWS,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # the interpreter (CPU tensors) multiplies raw bf16 bits in tl.dot (triton 3.9): upcast
         # there, exactly (the products are then of the same bf16 values, in fp32)
@@ -470,7 +491,7 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         if hopper and hopper.applies(q, k_cache, cfg.block_m, causal, window, slots is not None):
             hopper.launch(q, k_cache, v_cache, units, count, kv_chunk, kv_lo, kv_hi, scale, o,
                           lse, min(programs, num_sms(q.device)), cfg.block_m,
-                          cfg.maxnreg or hopper.MAXNREG, trigger)
+                          cfg.maxnreg or hopper.MAXNREG, trigger, new_kv)
             return
         programs = min(programs, resident_programs(args, meta, q.device))
     _attend_kernel[(programs,)](*args, **meta)
@@ -537,7 +558,8 @@ def launch_worklist(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     it before returning (graph capture records the fork and join). new_kv: as launch_units',
     for the launches that store; window: a sliding layer's; kv_scale: an fp8 cache's. final:
     (o, lse or None) of the final rows, which a merging narrow launch (`Launch.merge`) writes
-    -- after the wide one on the same stream, started beside it by PDL."""
+    -- after the wide one on the same stream, started beside it by PDL. A wide launch that runs alone
+    triggers the launch after it, which may then start beside it (PDL)."""
     idx = (kv_chunk, kv_lo, kv_hi, kv_pos)
 
     def go(x: Launch, out: tuple[torch.Tensor, torch.Tensor | None] = (o, lse),
@@ -547,6 +569,9 @@ def launch_worklist(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                      merge, trigger)
 
     narrow, wide = launches
+    if not narrow.programs:  # the wide launch alone: a merge launch after it may start
+        go(wide, trigger=True)  # beside it (`merge_rows(pdl=True)`)
+        return
     if narrow.merge is not None:
         assert final is not None and lse is not None, "a merging launch reads the partials"
         pdl = bool(wide.programs)

@@ -42,8 +42,16 @@ in tiles that hold such slots.
 Taken only where it applies (`applies`), on the Triton it is tested on
 (`attend.hopper_module`): CUDA compute capability 9.x, fp16 / bf16 cache and
 queries, D 64 or 128 (at 256 the pipelined loop spills), C a power of two >= BLOCK_N, no
-position mask (decode: every row sees every key of its units), no sliding window, no stored
-new key (wide units store one only when G > 16), wide units of at most 128 rows.
+position mask (decode: every row sees every key of its units), no sliding window, G <= 16
+where units store new keys (a wide unit then stores its rows' own: worklist's `_absorb_keys`;
+at G > 16 a decode tail's, in its last entry, which the Triton kernel takes), wide units of at
+most 128 rows.
+
+A unit that holds its rows' new keys (store -2 - t: a step whose keys sit alone in their
+chunks under the shared ones, as after a shared prompt) takes each row's own key as one more
+online-softmax step after its tiles (`_own_join`; loaded in the accumulator's layout before
+its Q tile, written into the cache and scored before its walk: `_own_keys`): such a step is
+one launch and a merge launch (started beside it: `merge_rows(pdl=True)`).
 Elsewhere `attend` runs the Triton kernel. Gluon does not run in Triton's interpreter: this
 kernel is tested on the GPU against the twin (tests/attention/test_hopper.py).
 """
@@ -82,9 +90,11 @@ def applies(q: torch.Tensor, k_cache: torch.Tensor, block_m: int, causal: bool,
     """Whether `launch` can run this wide launch (see the module docstring). Never a narrow
     one (tiles of <= NARROW_ROWS rows): its units of 1-16 rows would pad a 64-row wgmma tile
     (on an H200, 1,024 x 64-key tails took 988 us so, 518 in the row walk: kernels-notes.md,
-    issue 25 part nine)."""
+    issue 25 part nine). Stores only where G <= NARROW_ROWS: then a wide unit that stores
+    holds its rows' keys (store -2 - t), not a decode tail's last entry's."""
     return (supports(q.device, q.dtype, k_cache.dtype, q.shape[-1], k_cache.shape[1])
-            and NARROW_ROWS < block_m <= BLOCK_M and not causal and window is None and not stores)
+            and NARROW_ROWS < block_m <= BLOCK_M and not causal and window is None
+            and (not stores or q.shape[1] // k_cache.shape[2] <= NARROW_ROWS))
 
 
 def supports(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
@@ -138,13 +148,19 @@ _IO_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # 1
 
 
 @gluon.jit
-def _rows_partition(q, units, unit_count, kv_lo, kv_hi, o, lse, q_smem, k_bufs, v_bufs,
+def _rows_partition(q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem, k_bufs, v_bufs,
                     k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_lt, scale_log2, WG: gl.constexpr, HKV: gl.constexpr,
                     G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                    TPE: gl.constexpr, WRITE_LSE: gl.constexpr):
+                    TPE: gl.constexpr, WRITE_LSE: gl.constexpr, STORE: gl.constexpr,
+                    HOLD: gl.constexpr):
     """Consumer: rows [64 WG, 64 WG + 64) of every work item's tile, one warpgroup. Row m of
-    a unit's tile is (query row q_start + m // G, head h * G + m % G)."""
+    a unit's tile is (query row q_start + m // G, head h * G + m % G). STORE: a unit whose
+    store is -2 - t also attends to its rows' own new keys (new_kv: their pointers and
+    strides): loaded before its Q tile, written and scored once it is staged, joined after the
+    walk (`_own_keys`, `_own_join`: their round trips and writes off the walk's chain), if
+    HOLD (one row warpgroup: its registers hold their values over the walk; at two, 176
+    registers a thread spilled 656 bytes so); else all after the walk."""
     num_units = gl.load(unit_count)
     it = 0  # tiles consumed so far, as the producer counts them
     for w in range(gl.program_id(0), num_units * HKV, gl.num_programs(0)):
@@ -156,12 +172,27 @@ def _rows_partition(q, units, unit_count, kv_lo, kv_hi, o, lse, q_smem, k_bufs, 
         num_tiles = (gl.load(units + u * 6 + 3) - e0) * TPE
         m = WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _IO_LAYOUT))
         if WG * 64 < q_len * G:
+            if STORE:  # the rows' own new keys, if the unit holds them (see above)
+                t = gl.load(units + u * 6 + 5)
+                if HOLD:
+                    kt, vt, dst = _own_loads(new_kv, t <= -2, q_len, -2 - t, h, WG, HKV, G, HEAD_DIM)
             q_rows = (q + (q_start + m // G).to(gl.int64)[:, None] * stride_qt
                       + (h * G + m % G)[:, None] * stride_qh)
             _stage_q(q_rows, m // G < q_len, q_smem, HEAD_DIM)
+            if STORE:
+                if HOLD:
+                    s_own = _own_keys(q_smem, kt, vt, dst, new_kv, t <= -2, q_len, scale_log2, WG,
+                                      G, HEAD_DIM, BLOCK_N)
             acc, m_i, l_i = _walk(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, kv_lo, kv_hi,
                                   e0, num_tiles, it, scale_log2, q.dtype.element_ty, HEAD_DIM,
                                   BLOCK_N, TPE)
+            if STORE:
+                if not HOLD:
+                    kt, vt, dst = _own_loads(new_kv, t <= -2, q_len, -2 - t, h, WG, HKV, G, HEAD_DIM)
+                    s_own = _own_keys(q_smem, kt, vt, dst, new_kv, t <= -2, q_len, scale_log2, WG,
+                                      G, HEAD_DIM, BLOCK_N)
+                if t <= -2:
+                    acc, m_i, l_i = _own_join(acc, m_i, l_i, s_own, vt, HEAD_DIM)
             _write_rows(o, lse, acc, m_i, l_i, gl.load(units + u * 6 + 4), q_len, h, stride_ot,
                         stride_oh, stride_lt, WG, G, HEAD_DIM, WRITE_LSE)
         else:  # every row is padding: only keep the ring turning
@@ -179,6 +210,61 @@ def _stage_q(q_rows, row_ok, q_smem, HEAD_DIM: gl.constexpr):
     q_smem.store(qt)
     fence_async_shared()
     gl.thread_barrier()
+
+
+@gluon.jit
+def _own_loads(new_kv, own, q_len, t, h, WG: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr,
+               HEAD_DIM: gl.constexpr):
+    """Where `own` (the unit holds its rows' keys: row r's is key t + r - q_start of new_kv =
+    (k_new, v_new [T, Hkv, D], slots, k_cache, v_cache, their strides)): the keys and values
+    of rows [64 WG, + 64) [64, D] in the accumulator's layout (no shared memory), and their
+    cache offsets; else nothing loaded (zeros)."""
+    k_new, v_new, slots, k_cache, v_cache, stride_kt, stride_kh, stride_vt, stride_vh = new_kv
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    m = WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    ok = (m // G < q_len) & own
+    tile_ok = ok[:, None] & (cols < HEAD_DIM)[None, :]
+    key = (t + m // G).to(gl.int64)
+    kt = gl.load(k_new + key[:, None] * stride_kt + h * stride_kh + cols[None, :], mask=tile_ok,
+                 other=0.0)
+    vt = gl.load(v_new + key[:, None] * stride_vt + h * stride_vh + cols[None, :], mask=tile_ok,
+                 other=0.0)
+    dst = (gl.load(slots + key, mask=ok, other=0) * (HKV * HEAD_DIM) + h * HEAD_DIM)[:, None] + cols[None, :]
+    return kt, vt, dst
+
+
+@gluon.jit
+def _own_keys(q_smem, kt, vt, dst, new_kv, own, q_len, scale_log2, WG: gl.constexpr,
+              G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Where `own`: each row's own key (kt, vt, dst: `_own_loads`') written into the cache (no
+    unit reads those slots in the step), and its score [64] (base 2, rows past q_len -inf:
+    no key), from the staged Q tile, in the running max's layout."""
+    k_cache, v_cache = new_kv[3], new_kv[4]
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
+    m = WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    ok = (m // G < q_len) & own
+    first = (ok & (m % G == 0))[:, None] & (cols < HEAD_DIM)[None, :]  # one write a key (its
+    # G heads' rows share it)
+    gl.store(k_cache + dst, kt, mask=first)
+    gl.store(v_cache + dst, vt, mask=first)
+    s = gl.sum(q_smem.load(o_layout).to(gl.float32) * kt.to(gl.float32), 1) * scale_log2
+    return gl.convert_layout(gl.where(ok, s, float("-inf")), gl.SliceLayout(1, _mma_layout(BLOCK_N)))
+
+
+@gluon.jit
+def _own_join(acc, m_i, l_i, s, vt, HEAD_DIM: gl.constexpr):
+    """The running (acc [64, D], m_i, l_i [64]) after one more online-softmax step: each
+    row's own key, of score s (`_own_keys`) and value vt."""
+    m_new = gl.maximum(m_i, s)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - m_safe)
+    rows: gl.constexpr = gl.SliceLayout(1, _mma_layout(HEAD_DIM))
+    acc = (acc * gl.convert_layout(alpha, rows)[:, None]
+           + gl.convert_layout(p, rows)[:, None] * vt.to(gl.float32))
+    return acc, m_new, l_i * alpha + p
 
 
 @gluon.jit
@@ -321,11 +407,12 @@ def _ready_v(v_bufs, v_ready, it, n_v, lo, hi):
 
 @gluon.jit
 def _wide_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o, lse,
+                 k_new, v_new, slots, k_cache, v_cache, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, scale_log2, chunk_size,
                  HKV: gl.constexpr, G: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BLOCK_N: gl.constexpr, TPE: gl.constexpr, STAGES: gl.constexpr,
                  WRITE_LSE: gl.constexpr, ROWS_REGS: gl.constexpr, ROW_GROUPS: gl.constexpr,
-                 TRIGGER: gl.constexpr):
+                 TRIGGER: gl.constexpr, STORE: gl.constexpr):
     if TRIGGER:  # a merging narrow launch may start beside this one (`attend.launch_worklist`)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
@@ -340,25 +427,26 @@ def _wide_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=ROW_GROUPS)  # one arrival per row warpgroup
+    new_kv = (k_new, v_new, slots, k_cache, v_cache, stride_kt, stride_kh, stride_vt, stride_vh)
     if ROW_GROUPS == 1:  # units of <= 64 rows: one row warpgroup and the load warp
         gl.warp_specialize([
-            (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, q_smem.index(0), k_bufs,
+            (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem.index(0), k_bufs,
                                v_bufs, k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot,
                                stride_oh, stride_lt, scale_log2, 0, HKV, G, HEAD_DIM, BLOCK_N,
-                               TPE, WRITE_LSE)),
+                               TPE, WRITE_LSE, STORE, ROW_GROUPS == 1)),
             (_load_partition, (units, unit_count, kv_chunk, k_desc, v_desc, k_bufs, v_bufs,
                                k_ready, v_ready, empty, chunk_size, HKV, HEAD_DIM, BLOCK_N, TPE)),
         ], [1], [24])
     else:
         gl.warp_specialize([
-            (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, q_smem.index(0), k_bufs,
+            (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem.index(0), k_bufs,
                                v_bufs, k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot,
                                stride_oh, stride_lt, scale_log2, 0, HKV, G, HEAD_DIM, BLOCK_N, TPE,
-                               WRITE_LSE)),
-            (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, q_smem.index(1), k_bufs,
+                               WRITE_LSE, STORE, ROW_GROUPS == 1)),
+            (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem.index(1), k_bufs,
                                v_bufs, k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot,
                                stride_oh, stride_lt, scale_log2, 1, HKV, G, HEAD_DIM, BLOCK_N, TPE,
-                               WRITE_LSE)),
+                               WRITE_LSE, STORE, ROW_GROUPS == 1)),
             (_load_partition, (units, unit_count, kv_chunk, k_desc, v_desc, k_bufs, v_bufs, k_ready,
                                v_ready, empty, chunk_size, HKV, HEAD_DIM, BLOCK_N, TPE)),
         ], [4, 1], [ROWS_REGS, 24])
@@ -367,11 +455,13 @@ def _wide_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
 def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
            count: torch.Tensor, kv_chunk: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
            scale: float, o: torch.Tensor, lse: torch.Tensor | None, programs: int,
-           block_m: int = BLOCK_M, maxnreg: int = MAXNREG, trigger: bool = False) -> None:
+           block_m: int = BLOCK_M, maxnreg: int = MAXNREG, trigger: bool = False,
+           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """`attend.launch_units` for a launch that `applies`: the first count[0] units on a
     persistent grid of `programs` CTAs (at most one per SM: its shared memory and `maxnreg`
-    registers a thread leave room for narrow programs only, not a second CTA). trigger: a
-    merging narrow launch follows (programmatic dependent launch: it starts beside this one)."""
+    registers a thread leave room for narrow programs only, not a second CTA). trigger: the
+    launch after this one may start beside it (programmatic dependent launch). new_kv: (k, v
+    [T, Hkv, D], slots [T] int64) where units hold their rows' new keys (store -2 - t)."""
     n_chunks, chunk_size, hkv, d = k_cache.shape
     g = q.shape[1] // hkv
     dtype = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
@@ -379,12 +469,16 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
     k_desc, v_desc = (TensorDescriptor(c, [n_chunks * chunk_size, hkv * d], [hkv * d, 1],
                                        [BLOCK_N, d], layout) for c in (k_cache, v_cache))
     groups = 1 if block_m <= 64 else 2
+    k_new, v_new, slots = new_kv or (q, q, units)  # no store: any pointers
     _wide_kernel[(programs,)](
         q, units, count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o, o if lse is None else lse,
+        k_new, v_new, slots, k_cache, v_cache, k_new.stride(0), k_new.stride(1), v_new.stride(0),
+        v_new.stride(1),
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), 0 if lse is None else lse.stride(0),
         scale * 1.4426950408889634, chunk_size, HKV=hkv, G=g, HEAD_DIM=d, BLOCK_N=BLOCK_N,
         TPE=chunk_size // BLOCK_N, STAGES=STAGES, WRITE_LSE=lse is not None,
-        ROWS_REGS=rows_regs(maxnreg), ROW_GROUPS=groups, TRIGGER=trigger, num_warps=4,
+        ROWS_REGS=rows_regs(maxnreg), ROW_GROUPS=groups, TRIGGER=trigger, STORE=new_kv is not None,
+        num_warps=4,
         maxnreg=maxnreg)
 
 

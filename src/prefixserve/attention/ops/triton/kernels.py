@@ -137,8 +137,9 @@ class TritonKernels:
         assert scratch is not None, "plan_extra reserves a padded plan's scratch"
         o_s, lse_s = scratch
         launch_worklist(*args, o_s, lse_s, self.side, new_kv, window, kv_scale, final=(out, None))
-        if not _int(x, "fused"):
-            merge_rows(o_s, lse_s, _tensor(x, "merge_indptr"), _tensor(x, "merge_parts"), out, None)
+        if not _int(x, "fused"):  # (after the wide launch alone: started beside it)
+            merge_rows(o_s, lse_s, _tensor(x, "merge_indptr"), _tensor(x, "merge_parts"), out, None,
+                       pdl=q.is_cuda and not _int(x, "narrow_programs"))
         return out
 
     @staticmethod

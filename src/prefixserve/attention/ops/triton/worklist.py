@@ -37,7 +37,11 @@ cache) and writes it into its slot, so the step needs no store launch (`stores`)
 that entry held the key alone and is left out of the unit (its tile would add nothing); -1,
 the unit stores none. Otherwise (prefill: a row's new key is read by later rows' units; or a
 row recomputes a cached token that others read) the executor stores first, and every `store`
-is -1.
+is -1. Where every row's new key sits alone in its chunk under keys that wide units read (a
+step after a shared prompt, Table 3's all-shared rows), the narrow units would be one-key
+units: instead one split of each wide row block takes its rows' keys (`_absorb_keys`: store
+-2 - t, t its first row, each row r its own key r), and the step has no narrow launch (on an
+H200 the all-shared rows' attend then ends with the wide launch and a merge).
 
 Partial rows and the merge. Every split writes its own fp32 partial rows (o, lse); the final
 merge combines them with the schedule's own merge in one pass:
@@ -271,6 +275,12 @@ def build_worklist(q_start: npt.ArrayLike, q_len: npt.ArrayLike, out_start: npt.
     else:
         num_partials = int(q_len.sum())
         indptr, parts = np.asarray(row_indptr, np.int64), np.asarray(row_parts, np.int64)
+    gone = _absorb_keys(narrow, wide) if stores else None
+    if gone is not None:  # the wide units take the new keys: no narrow launch
+        keep = ~np.isin(parts, gone)
+        row_of = np.repeat(np.arange(len(indptr) - 1), np.diff(indptr))
+        indptr, parts = _csr(np.bincount(row_of[keep], minlength=len(indptr) - 1)), parts[keep]
+        narrow = narrow[:0]
     fused = None if configs[0].dynamic or configs[0].walk else _fused_merge(narrow, indptr, parts,
                                                                                num_partials)
     if fused is None:
@@ -278,6 +288,55 @@ def build_worklist(q_start: npt.ArrayLike, q_len: npt.ArrayLike, out_start: npt.
                         stores=stores)
     return WorkList(fused[0], wide, num_partials, indptr, parts, direct=False, causal=causal,
                     stores=stores, fused=fused[1], others=fused[2])
+
+
+def _absorb_keys(narrow: np.ndarray, wide: np.ndarray) -> np.ndarray | None:
+    """Where every narrow unit is a row's new key alone (one row, no entries: `mark_stores`
+    left the key's entry out) and the wide units' row blocks hold every such row, each row
+    once: one split of each such block (its shortest) takes its rows' new keys (store =
+    -2 - its first row, see the module docstring) -- a step with its new keys in chunks of
+    their own (every key before them shared) then needs no narrow launch. Returns the narrow
+    units' partial rows (no longer written), or None (no change)."""
+    alone = (narrow[:, 1] == 1) & (narrow[:, 2] == narrow[:, 3]) & (narrow[:, 5] <= -2)
+    if len(narrow) == 0 or len(wide) == 0 or not alone.all():
+        return None
+    free = np.zeros(int(max(narrow[:, 0].max(), (wide[:, 0] + wide[:, 1]).max())) + 1, bool)
+    free[narrow[:, 0]] = True  # rows whose key no unit has taken yet
+    chosen = []
+    # the blocks of fewest rows first (a deeper level's), a block's shortest split first
+    for i in np.lexsort((wide[:, 3] - wide[:, 2], wide[:, 1])).tolist():
+        rows = slice(int(wide[i, 0]), int(wide[i, 0] + wide[i, 1]))
+        if free[rows].all():
+            free[rows] = False
+            chosen.append(i)
+    if free.any():
+        return None
+    for i in chosen:
+        _shorten(wide, i)
+    wide[chosen, 5] = -2 - wide[chosen, 0]
+    return narrow[:, 4]
+
+
+OWN_KEYS_ENTRIES = 2  # what taking its rows' keys adds to a unit, in entries of its walk
+
+
+def _shorten(wide: np.ndarray, i: int) -> None:
+    """Unit i will take its rows' keys: where its block's splits are a chain of entry ranges
+    (one item's), move its first OWN_KEYS_ENTRIES entries to the other splits, so that the
+    splits end together (on an H200 the keys took a 32-row unit ~2.8 us, about two 64-key
+    tiles of its walk: issue 25 part eleven). In place; the splits' partial rows stay."""
+    mates = np.nonzero((wide[:, 0] == wide[i, 0]) & (wide[:, 1] == wide[i, 1]))[0]
+    mates = mates[np.argsort(wide[mates, 2], kind="stable")]
+    if len(mates) < 2 or (wide[mates[1:], 2] != wide[mates[:-1], 3]).any():
+        return
+    first, n = int(wide[mates[0], 2]), int(wide[mates[-1], 3] - wide[mates[0], 2])
+    own = max(1, n // len(mates) - OWN_KEYS_ENTRIES)
+    rest = np.full(len(mates) - 1, (n - own) // (len(mates) - 1))
+    rest[:(n - own) % (len(mates) - 1)] += 1
+    sizes = np.r_[own, rest]
+    order = np.r_[i, mates[mates != i]]  # unit i first, the others in their entries' order
+    ends = first + np.cumsum(sizes)
+    wide[order, 2], wide[order, 3] = ends - sizes, ends
 
 
 def _fused_merge(narrow: np.ndarray, indptr: np.ndarray, parts: np.ndarray,
