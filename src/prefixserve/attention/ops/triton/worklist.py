@@ -24,8 +24,8 @@ and a balanced share of 1-4 waves of the grid, and the cap whose busiest program
 fewest tiles wins (ties: fewer splits). A one-level shared prefix at b1024 is 256 equal work
 items on 264 programs: splitting cannot end it sooner, and it stays whole (its 3 splits had
 cost 1-3.5% on an H200, in partials written and merged). A split costs its rows' fp32
-partials (written, then read by the merge, one partial after another), so an item is never
-cut into splits shorter than 8x that cost (nor than 4 tiles). Unless that leaves a class with
+partials (written, then read by the merge launch), so an item is never cut into splits
+shorter than 8x that cost (nor than 4 tiles). Unless that leaves a class with
 fewer programs than SMs: then each program is a serial chain of tile loads on an idle GPU,
 and items are cut to about one program per SM (splits of at least 2 tiles).
 
