@@ -552,14 +552,15 @@ def launch_worklist(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     lse: torch.Tensor | None, side: torch.cuda.Stream | None = None,
                     new_kv: NewKV | None = None, window: int | None = None,
                     kv_scale: torch.Tensor | None = None,
-                    final: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
+                    final: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> bool:
     """Both unit classes' launches (narrow, wide), writing o, lse. With a side stream (CUDA)
     the wide launch runs on it, concurrently with the narrow one; the current stream waits for
     it before returning (graph capture records the fork and join). new_kv: as launch_units',
     for the launches that store; window: a sliding layer's; kv_scale: an fp8 cache's. final:
     (o, lse or None) of the final rows, which a merging narrow launch (`Launch.merge`) writes
-    -- after the wide one on the same stream, started beside it by PDL. A wide launch that runs alone
-    triggers the launch after it, which may then start beside it (PDL)."""
+    -- after the wide one on the same stream, started beside it by PDL. Returns whether the
+    launch after these may start beside them by PDL (`merge_rows(pdl=True)`): on CUDA, where the
+    wide launch runs alone, which then triggers its dependents as it starts."""
     idx = (kv_chunk, kv_lo, kv_hi, kv_pos)
 
     def go(x: Launch, out: tuple[torch.Tensor, torch.Tensor | None] = (o, lse),
@@ -569,15 +570,15 @@ def launch_worklist(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                      merge, trigger)
 
     narrow, wide = launches
-    if not narrow.programs:  # the wide launch alone: a merge launch after it may start
-        go(wide, trigger=True)  # beside it (`merge_rows(pdl=True)`)
-        return
+    if not narrow.programs:
+        go(wide, trigger=True)
+        return q.is_cuda
     if narrow.merge is not None:
         assert final is not None and lse is not None, "a merging launch reads the partials"
         pdl = bool(wide.programs)
         go(wide, trigger=pdl)
         go(narrow, final, Merge(*narrow.merge, o, lse, pdl))
-        return
+        return False
     fork = side if narrow.programs and wide.programs else None  # a side stream, if both run
     if fork is not None:
         fork.wait_stream(torch.cuda.current_stream(q.device))
@@ -588,6 +589,7 @@ def launch_worklist(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     go(narrow)
     if fork is not None:
         torch.cuda.current_stream(q.device).wait_stream(fork)
+    return False
 
 
 def num_sms(device: torch.device) -> int:
@@ -636,10 +638,10 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return o, lse
     o_s = torch.empty((wl.num_partials, hq, d), dtype=torch.float32, device=q.device)
     lse_s = torch.empty((wl.num_partials, hq), dtype=torch.float32, device=q.device)
-    launch_worklist(q, k_cache, v_cache, q_pos, launches, *idx, scale, o_s, lse_s, window=window,
-                    kv_scale=kv_scale, final=(o, lse))
+    beside = launch_worklist(q, k_cache, v_cache, q_pos, launches, *idx, scale, o_s, lse_s,
+                             window=window, kv_scale=kv_scale, final=(o, lse))
     if narrow.merge is not None:
         return o, lse
     assert wl.merge_indptr is not None and wl.merge_parts is not None, "not direct: a merge"
-    merge_rows(o_s, lse_s, dev(wl.merge_indptr), dev(wl.merge_parts), o, lse)
+    merge_rows(o_s, lse_s, dev(wl.merge_indptr), dev(wl.merge_parts), o, lse, pdl=beside)
     return o, lse

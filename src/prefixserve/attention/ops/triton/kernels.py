@@ -136,10 +136,11 @@ class TritonKernels:
         scratch = self._scratch if plan.padded else self._new_scratch(_int(x, "num_partials"))
         assert scratch is not None, "plan_extra reserves a padded plan's scratch"
         o_s, lse_s = scratch
-        launch_worklist(*args, o_s, lse_s, self.side, new_kv, window, kv_scale, final=(out, None))
-        if not _int(x, "fused"):  # (after the wide launch alone: started beside it)
+        beside = launch_worklist(*args, o_s, lse_s, self.side, new_kv, window, kv_scale,
+                                 final=(out, None))
+        if not _int(x, "fused"):
             merge_rows(o_s, lse_s, _tensor(x, "merge_indptr"), _tensor(x, "merge_parts"), out, None,
-                       pdl=q.is_cuda and not _int(x, "narrow_programs"))
+                       pdl=beside)
         return out
 
     @staticmethod
