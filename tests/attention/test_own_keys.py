@@ -10,7 +10,6 @@ test_triton_merge.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import numpy as np
@@ -22,11 +21,11 @@ if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' modules import triton
 pytest.importorskip("triton")
 
+from decode_steps import padded_step, step  # noqa: E402
+
 from prefixserve.attention.backends.hydragen import HydragenBackend  # noqa: E402
 from prefixserve.attention.backends.paged import PagedBackend  # noqa: E402
 from prefixserve.attention.backends.relay import RelayBackend  # noqa: E402
-from prefixserve.attention.base import PaddedRows  # noqa: E402
-from prefixserve.attention.ops import triton as tops  # noqa: E402
 from prefixserve.attention.ops.triton import worklist  # noqa: E402
 from prefixserve.attention.ops.triton.worklist import KernelConfig, build_worklist  # noqa: E402
 from prefixserve.bench.kernels.rows import Workload, build  # noqa: E402
@@ -106,27 +105,9 @@ def test_decode_steps_whose_wide_units_take_the_keys(backend, shared, kv_dtype):
     them; run twice. Padded (a graph's step): the same rows, and the padding rows 0."""
     row = build(Workload("test", 48, 4, 2, 64, 64, shared, 16, "float16", groups=2, kv_dtype=kv_dtype),
                 DEVICE)
-    t = row.batch.num_tokens
-
-    def step(cls, batch, q, k, v):
-        be = cls(row.shape, kernels=tops.TritonKernels(row.shape, sms=3))
-        be.plan(batch)
-        x = be.current.extra
-        if cls is not PagedBackend:
-            assert x["stores_wide"] and not x["stores_narrow"] and x["unit_counts"][0] == 0
-        pad = torch.zeros_like(row.k_cache[:1])  # a chunk for the padding rows' slot
-        k_cache, v_cache = (torch.cat([c, pad]) for c in (row.k_cache, row.v_cache))
-        outs = [be.run(q, k, v, k_cache, v_cache, kv_scale=row.kv_scale).float() for _ in range(2)]
-        assert torch.equal(outs[0], outs[1])
-        return outs[0], k_cache.view(-1, *k_cache.shape[2:])
-
-    out, flat = step(backend, row.batch, row.q, row.k, row.v)
-    paged, paged_flat = step(PagedBackend, row.batch, row.q, row.k, row.v)
+    out, flat, x = step(row, backend, row.batch, row.q, row.k, row.v)
+    assert x["stores_wide"] and not x["stores_narrow"] and x["unit_counts"][0] == 0
+    paged, paged_flat, _ = step(row, PagedBackend, row.batch, row.q, row.k, row.v)
     assert torch.equal(flat[row.batch.slots], paged_flat[row.batch.slots])
     assert (out - paged).abs().max() <= (1e-5 + 2 * U16) * row.vmax
-    pad_slot = row.k_cache.shape[0] * row.k_cache.shape[1]
-    padded = dataclasses.replace(row.batch, padded=PaddedRows(t + 5, pad_slot))
-    q, k, v = (torch.cat([x, torch.randn(5, *x.shape[1:], device=DEVICE).to(x.dtype)])
-               for x in (row.q, row.k, row.v))
-    padded_out, _ = step(backend, padded, q, k, v)
-    assert torch.equal(padded_out[:t], out) and not padded_out[t:].any()
+    padded_step(row, backend, out)

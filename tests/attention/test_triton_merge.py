@@ -10,7 +10,6 @@ test_triton_ops.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import numpy as np
@@ -22,11 +21,11 @@ if DEVICE.type == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' modules import triton
 pytest.importorskip("triton")
 
+from decode_steps import padded_step, step  # noqa: E402
+
 from prefixserve.attention.backends.hydragen import HydragenBackend  # noqa: E402
 from prefixserve.attention.backends.paged import PagedBackend  # noqa: E402
 from prefixserve.attention.backends.relay import RelayBackend  # noqa: E402
-from prefixserve.attention.base import PaddedRows  # noqa: E402
-from prefixserve.attention.ops import triton as tops  # noqa: E402
 from prefixserve.attention.ops.triton import worklist  # noqa: E402
 from prefixserve.attention.ops.triton.worklist import KernelConfig, build_worklist  # noqa: E402
 from prefixserve.bench.kernels.rows import Workload, build  # noqa: E402
@@ -89,30 +88,15 @@ def test_decode_steps_merge_in_the_narrow_units(backend, kv_dtype, monkeypatch):
     are in the cache; run twice. Padded (a graph's step): the same rows, and the padding rows
     0."""
     row = build(Workload("test", 24, 4, 2, 64, 100, (64,), 16, "float16", kv_dtype=kv_dtype), DEVICE)
-    t = row.batch.num_tokens
-
-    def step(cls, batch, q, k, v, fused=True):
-        if not fused:
-            monkeypatch.setattr(worklist, "_fused_merge", lambda *a: None)
-        be = cls(row.shape, kernels=tops.TritonKernels(row.shape, sms=3))
-        be.plan(batch)
-        monkeypatch.undo()
-        assert be.current.extra["fused"] == int(fused and cls is not PagedBackend)
-        pad = torch.zeros_like(row.k_cache[:1])  # a chunk for the padding rows' slot
-        k_cache, v_cache = (torch.cat([c, pad]) for c in (row.k_cache, row.v_cache))
-        outs = [be.run(q, k, v, k_cache, v_cache, kv_scale=row.kv_scale).float() for _ in range(2)]
-        assert torch.equal(outs[0], outs[1])
-        return outs[0], k_cache.view(-1, *k_cache.shape[2:])
-
-    fused, flat = step(backend, row.batch, row.q, row.k, row.v)
-    paged, paged_flat = step(PagedBackend, row.batch, row.q, row.k, row.v)
-    launch, _ = step(backend, row.batch, row.q, row.k, row.v, fused=False)
+    fused, flat, x = step(row, backend, row.batch, row.q, row.k, row.v)
+    assert x["fused"]
+    paged, paged_flat, x = step(row, PagedBackend, row.batch, row.q, row.k, row.v)
+    assert not x["fused"]
+    with monkeypatch.context() as patch:
+        patch.setattr(worklist, "_fused_merge", lambda *a: None)
+        launch, _, x = step(row, backend, row.batch, row.q, row.k, row.v)
+    assert not x["fused"]
     assert torch.equal(flat[row.batch.slots], paged_flat[row.batch.slots])  # the new keys, as stored
     assert (fused - paged).abs().max() <= (1e-5 + 2 * U16) * row.vmax
     assert (fused - launch).abs().max() <= 2 * U16 * launch.abs().max()
-    pad_slot = row.k_cache.shape[0] * row.k_cache.shape[1]
-    padded = dataclasses.replace(row.batch, padded=PaddedRows(t + 5, pad_slot))
-    q, k, v = (torch.cat([x, torch.randn(5, *x.shape[1:], device=DEVICE).to(x.dtype)])
-               for x in (row.q, row.k, row.v))
-    out, _ = step(backend, padded, q, k, v)
-    assert torch.equal(out[:t], fused) and not out[t:].any()
+    padded_step(row, backend, fused)
