@@ -81,6 +81,8 @@ def test_wide_units_take_the_keys_that_sit_alone(sms):
     worklist._shorten(wide, 2)
     assert (wide[:, 3] - wide[:, 2]).tolist() == [5, 5, 2, 4] and wide[2, 2] == 0
     assert sorted(wide[:, 4].tolist()) == [0, 32, 64, 96]
+    lengths = wl.wide[:, 3] - wl.wide[:, 2]
+    assert (lengths[:-1] >= lengths[1:]).all()  # still longest first
     # the merge reads only what the wide units write
     written = {int(u[4]) + r for u in wl.wide for r in range(u[1])}
     assert set(wl.merge_parts.tolist()) <= written

@@ -295,8 +295,9 @@ def _absorb_keys(narrow: np.ndarray, wide: np.ndarray) -> np.ndarray | None:
     left the key's entry out) and the wide units' row blocks hold every such row, each row
     once: one split of each such block (its shortest) takes its rows' new keys (store =
     -2 - its first row, see the module docstring) -- a step with its new keys in chunks of
-    their own (every key before them shared) then needs no narrow launch. Returns the narrow
-    units' partial rows (no longer written), or None (no change)."""
+    their own (every key before them shared) then needs no narrow launch. The wide units stay
+    longest first (`_shorten` moves entries between them). Returns the narrow units' partial
+    rows (no longer written), or None (no change)."""
     alone = (narrow[:, 1] == 1) & (narrow[:, 2] == narrow[:, 3]) & (narrow[:, 5] <= -2)
     if len(narrow) == 0 or len(wide) == 0 or not alone.all():
         return None
@@ -314,6 +315,7 @@ def _absorb_keys(narrow: np.ndarray, wide: np.ndarray) -> np.ndarray | None:
     for i in chosen:
         _shorten(wide, i)
     wide[chosen, 5] = -2 - wide[chosen, 0]
+    wide[:] = wide[np.argsort(wide[:, 2] - wide[:, 3], kind="stable")]  # longest first again
     return narrow[:, 4]
 
 
