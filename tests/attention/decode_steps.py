@@ -31,13 +31,14 @@ def step(row: Row, backend: type, batch, q: torch.Tensor, k: torch.Tensor,
     return outs[0], k_cache.view(-1, *k_cache.shape[2:]), be.current.extra
 
 
-def padded_step(row: Row, backend: type, out: torch.Tensor) -> None:
+def padded_step(row: Row, backend: type, out: torch.Tensor) -> dict:
     """The row's step padded with PAD_ROWS random rows (a graph's step): its first rows are
-    `out` (the unpadded step's) and the padding rows 0."""
+    `out` (the unpadded step's) and the padding rows 0. Returns the padded plan's extras."""
     t = row.batch.num_tokens
     pad_slot = row.k_cache.shape[0] * row.k_cache.shape[1]
     padded = dataclasses.replace(row.batch, padded=PaddedRows(t + PAD_ROWS, pad_slot))
     q, k, v = (torch.cat([x, torch.randn(PAD_ROWS, *x.shape[1:], device=x.device).to(x.dtype)])
                for x in (row.q, row.k, row.v))
-    padded_out, _, _ = step(row, backend, padded, q, k, v)
+    padded_out, _, x = step(row, backend, padded, q, k, v)
     assert torch.equal(padded_out[:t], out) and not padded_out[t:].any()
+    return x

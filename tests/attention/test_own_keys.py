@@ -107,9 +107,9 @@ def test_decode_steps_whose_wide_units_take_the_keys(backend, shared, kv_dtype):
     them; run twice. Padded (a graph's step): the same rows, and the padding rows 0."""
     row = build(Workload("test", 48, 4, 2, 64, 64, shared, 16, "float16", groups=2, kv_dtype=kv_dtype),
                 DEVICE)
-    out, flat, x = step(row, backend, row.batch, row.q, row.k, row.v)
-    assert x["stores_wide"] and not x["stores_narrow"] and x["unit_counts"][0] == 0
+    out, flat, extra = step(row, backend, row.batch, row.q, row.k, row.v)
+    for x in (extra, padded_step(row, backend, out)):  # unpadded and padded (a graph's) step
+        assert x["stores_wide"] and not x["stores_narrow"] and x["unit_counts"][0] == 0
     paged, paged_flat, _ = step(row, PagedBackend, row.batch, row.q, row.k, row.v)
     assert torch.equal(flat[row.batch.slots], paged_flat[row.batch.slots])
     assert (out - paged).abs().max() <= (1e-5 + 2 * U16) * row.vmax
-    padded_step(row, backend, out)

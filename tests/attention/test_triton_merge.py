@@ -99,4 +99,4 @@ def test_decode_steps_merge_in_the_narrow_units(backend, kv_dtype, monkeypatch):
     assert torch.equal(flat[row.batch.slots], paged_flat[row.batch.slots])  # the new keys, as stored
     assert (fused - paged).abs().max() <= (1e-5 + 2 * U16) * row.vmax
     assert (fused - launch).abs().max() <= 2 * U16 * launch.abs().max()
-    padded_step(row, backend, fused)
+    assert padded_step(row, backend, fused)["fused"]

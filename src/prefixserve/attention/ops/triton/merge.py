@@ -39,17 +39,18 @@ def _part_indices(parts, base, end, UNROLL: tl.constexpr):
 def _fold_chunk(m, denom, acc, ps, base, end, o_parts, lse_parts, stride_pt, stride_ph, stride_lp,
                 hs, d, h_ok, d_ok, UNROLL: tl.constexpr):
     """Fold partials ps (slots base.. of the row; those at or past end weigh 0) into the running
-    (m [BLOCK_H], denom [BLOCK_H], acc [BLOCK_H, BLOCK_D]). Loads first, all of them: folded as
-    each arrives, the compiled code waited on one partial before issuing the next one's loads."""
+    (m [BLOCK_H], denom [BLOCK_H], acc [BLOCK_H, BLOCK_D]): every load, then the chunk's maximum,
+    then the sums (folded one partial at a time, ptxas issued the later partials' o loads after
+    the first exponential, which waits on a round trip)."""
     lses = ()
-    os = ()
+    outs = ()
     for j in tl.static_range(UNROLL):
         ok = h_ok & (tl.zeros_like(hs) + base + j < end)  # [BLOCK_H]: the interpreter's & takes no scalar
         lse_j = tl.load(lse_parts + ps[j] * stride_lp + hs, mask=ok, other=float("-inf"))
         o_j = tl.load(o_parts + ps[j] * stride_pt + hs[:, None] * stride_ph + d[None, :],
                       mask=ok[:, None] & d_ok[None, :], other=0.0)
         lses = lses + (lse_j,)  # type: ignore[assignment]  # a tuple grown in a static loop
-        os = os + (o_j,)  # type: ignore[assignment]
+        outs = outs + (o_j,)  # type: ignore[assignment]
     m_new = m
     for j in tl.static_range(UNROLL):
         m_new = tl.maximum(m_new, lses[j])
@@ -59,7 +60,7 @@ def _fold_chunk(m, denom, acc, ps, base, end, o_parts, lse_parts, stride_pt, str
     denom = denom * alpha
     for j in tl.static_range(UNROLL):
         w = tl.exp(lses[j] - m_safe)
-        acc += w[:, None] * os[j]
+        acc += w[:, None] * outs[j]
         denom += w
     return m_new, denom, acc
 
