@@ -11,8 +11,9 @@ its decoded token (the query).
              per query. Also measured: `graph_launch_us`, the replay of a one-kernel CUDA
              graph (the floor of any step; the all-shared rows' bar adds it to the limit)
     timing   each backend's run() (new K/V + attend + merge) and each peer's call, captured in
-             a CUDA graph where it can be and replayed under triton.testing.do_bench (median,
-             L2 flushed before every replay); `timing` says graph or eager, `eager_us` is kept
+             a CUDA graph where it can be and replayed as triton.testing.do_bench would (median),
+             L2 flushed clean before every replay (timing.py); `timing` says graph or eager,
+             `eager_us` is kept
     peers    sdpa (PyTorch FlashAttention on dense per-sequence K/V), hydragen-pub (Hydragen as
              published: FlashAttention-2 with LSE, merged in PyTorch), flashinfer-decode and
              flashinfer-cascade (FlashInfer 0.2.14 over the same chunk pool, where importable;

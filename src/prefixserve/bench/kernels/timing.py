@@ -1,10 +1,20 @@
 """How `prefixserve bench kernels` times a call, checks its output, and measures the two ceilings.
 
 Every timed call -- our backends' run() and every peer's -- goes through `time_call`: a CUDA
-graph of one call, replayed under triton.testing.do_bench (median; do_bench writes a 256 MB
-buffer between replays, which flushes L2), or, when the call cannot be captured, the eager
-call under the same do_bench; the JSON says which. Planning (index tensors, page tables,
-FlashInfer's plan()) happens before and is never timed. On a CPU the time is a wall clock.
+graph of one call, replayed as triton.testing.do_bench replays a call (median of as many runs
+as fit 100 ms, after 25 ms of warm-up), with the L2 flushed before every run (`flush_l2`), or,
+when the call cannot be captured, the eager call timed the same way; the JSON says which.
+Planning (index tensors, page tables, FlashInfer's plan()) happens before and is never timed.
+On a CPU the time is a wall clock.
+
+The flush reads a buffer of 5x the L2 rather than writing one, as do_bench does: a write
+leaves the L2 full of dirty lines (~50 MB on an H100 / H200), which the timed call then writes
+back to memory as its own reads evict them. That cost is the harness's, not the call's (in a
+decode step the kernels before attention leave few dirty lines: they read weights and write
+activations of a few MB), and it was 7-10 us of every Table 3 row on an H100 -- sh768's step
+71.2 -> 63.9 us, the all-shared sh1024 20.3 -> 18.2 (with the L2 left warm instead: 15.3, so
+the read flush leaves the inputs as cold as the write did; kernels-notes.md, issue 25 part
+thirteen).
 """
 
 from __future__ import annotations
@@ -21,8 +31,8 @@ ERR_TOL = 1e-2  # max |o - o_paged| / max |v| above which an output is wrong and
 
 
 def timed(fn: Callable[[], object], device: torch.device, graph: bool = True) -> float:
-    """Median seconds of fn(): CUDA-graph replays (or eager calls) under do_bench on CUDA;
-    a wall clock on the CPU."""
+    """Median seconds of fn(): CUDA-graph replays (or eager calls) after a clean L2 flush each
+    (`_bench_ms`) on CUDA; a wall clock on the CPU."""
     if device.type != "cuda":
         fn()
         times: list[float] = []
@@ -31,7 +41,6 @@ def timed(fn: Callable[[], object], device: torch.device, graph: bool = True) ->
             fn()
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
-    import triton.testing
     fn()
     torch.cuda.synchronize()
     call: Callable[[], object] = fn
@@ -45,8 +54,52 @@ def timed(fn: Callable[[], object], device: torch.device, graph: bool = True) ->
         with torch.cuda.graph(g):
             fn()
         call = g.replay
-    ms = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
-    return ms * 1e-3
+    return _bench_ms(call, device) * 1e-3
+
+
+def _bench_ms(call: Callable[[], object], device: torch.device, warmup_ms: float = 25,
+              rep_ms: float = 100) -> float:
+    """Median ms of call() on CUDA, L2 flushed clean before each timed run: do_bench's loop
+    (runs estimated from 5, warm-up, then one event pair per run) with `flush_l2`."""
+    flush = functools.partial(flush_l2, device)
+    call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush()
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = start.elapsed_time(end) / 5
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        call()
+    runs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(max(1, int(rep_ms / estimate)))]
+    for start, end in runs:
+        flush()
+        start.record()
+        call()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in runs)
+
+
+_FLUSH_BYTES = 256 << 20  # 5x the L2 of an H100 / H200 (50 MB)
+
+
+@functools.cache
+def _flush_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer, 0-d sum) for `flush_l2`: the buffer written once, here."""
+    return (torch.zeros(_FLUSH_BYTES // 8, dtype=torch.int64, device=device),
+            torch.zeros((), dtype=torch.int64, device=device))
+
+
+def flush_l2(device: torch.device) -> None:
+    """Evict the L2 and leave it clean: sum a buffer of 5x its size (reads only; see the
+    module docstring for why not a write)."""
+    buf, total = _flush_buffers(device)
+    torch.sum(buf, dim=0, out=total)
 
 
 def time_call(fn: Callable[[], object], device: torch.device) -> dict[str, Any]:
