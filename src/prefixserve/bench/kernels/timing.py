@@ -1,9 +1,11 @@
-"""How `prefixserve bench kernels` times a call, checks its output, and measures the two ceilings.
+"""How `prefixserve bench kernels` (and `bench gemm`, `bench moe`) times a call, checks its
+output, and measures the two ceilings.
 
 Every timed call -- our backends' run() and every peer's -- goes through `time_call`: a CUDA
 graph of one call, replayed as triton.testing.do_bench replays a call (median of as many runs
 as fit 100 ms, after 25 ms of warm-up), with the L2 flushed before every run (`flush_l2`), or,
-when the call cannot be captured, the eager call timed the same way; the JSON says which.
+when the call cannot be captured, the eager call timed the same way; the JSON's `timing` says
+which, and names the flush (results before it say only "cuda-graph replay": do_bench's).
 Planning (index tensors, page tables, FlashInfer's plan()) happens before and is never timed.
 On a CPU the time is a wall clock.
 
@@ -86,6 +88,7 @@ def _bench_ms(call: Callable[[], object], device: torch.device, warmup_ms: float
 
 
 _FLUSH_BYTES = 256 << 20  # 5x the L2 of an H100 / H200 (50 MB)
+_FLUSHED = ", L2 flushed by a read"  # what `time_call`'s JSON says of the flush
 
 
 @functools.cache
@@ -109,11 +112,11 @@ def time_call(fn: Callable[[], object], device: torch.device) -> dict[str, Any]:
         return {"us": us, "eager_us": us, "timing": "cpu wall clock (median of 3)"}
     eager = 1e6 * timed(fn, device, graph=False)
     try:
-        return {"us": 1e6 * timed(fn, device), "eager_us": eager, "timing": "cuda-graph replay"}
+        return {"us": 1e6 * timed(fn, device), "eager_us": eager, "timing": "cuda-graph replay" + _FLUSHED}
     except RuntimeError as e:  # not capturable (a host sync, an allocation it forbids): eager
         torch.cuda.synchronize()
         return {"us": eager, "eager_us": eager,
-                "timing": "eager (graph capture failed: " + str(e).split("\n")[0][:160] + ")"}
+                "timing": "eager" + _FLUSHED + " (graph capture failed: " + str(e).split("\n")[0][:160] + ")"}
 
 
 def max_err(o: torch.Tensor, ref: torch.Tensor, vmax: float) -> float:
