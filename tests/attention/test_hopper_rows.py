@@ -84,12 +84,12 @@ def test_row_walk_matches_twin(dtype, hkv, d, chunk, items, sms, dynamic):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("batch", [96, 20], ids=["beside-128-row-products", "alone"])
+@pytest.mark.parametrize("batch", [96, 20], ids=["beside-128-row-products", "after-32-row-products"])
 def test_decode_step_with_the_row_walk(dtype, batch, monkeypatch):
     """A decode step of G 1 over an fp8 cache: paged (narrow units only) and relay (96
-    sequences under a shared prefix: 128-row wide units beside) run the narrow units in the
-    row walk, which writes the new keys (quantized); with 20 sequences relay's 32-row wide
-    units keep the Triton narrow launch, as does every step over a 16-bit cache. The
+    sequences under a shared prefix: 128-row wide units beside; 20: 32-row wide units, which
+    the walk follows on their stream) run the narrow units in the row walk, which writes the
+    new keys (quantized); every step over a 16-bit cache keeps the Triton narrow launch. The
     same output as with the walk off (within the Triton kernel's 16-bit P), the same cache
     bytes, and a second run gives the same output (the walk's item counter is back at 0)."""
     from prefixserve.attention.backends.paged import PagedBackend
@@ -112,8 +112,9 @@ def test_decode_step_with_the_row_walk(dtype, batch, monkeypatch):
             be = cls(row.shape, kernels=tops.TritonKernels(row.shape))
             be.plan(row.batch)
             x = be.current.extra
-            expect = walk_on and (cls is PagedBackend or batch == 96)
-            assert x["stores"] and x["narrow_programs"] > 0 and x["narrow_walk"] == expect, cls.name
+            after = walk_on and cls is RelayBackend and batch == 20
+            assert x["stores"] and x["narrow_programs"] > 0 and x["narrow_walk"] == walk_on, cls.name
+            assert x["narrow_after_wide"] == after, cls.name
             k_cache, v_cache = row.k_cache.clone(), row.v_cache.clone()
             o = be.run(row.q, row.k, row.v, k_cache, v_cache, kv_scale=row.kv_scale).float()
             again = be.run(row.q, row.k, row.v, row.k_cache.clone(), row.v_cache.clone(), kv_scale=row.kv_scale)

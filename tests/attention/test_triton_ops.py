@@ -259,25 +259,28 @@ def test_launch_shapes_follow_the_kernel_that_runs_the_wide_units(monkeypatch):
 
 def test_plans_take_the_row_walk_for_fp8_decode_tails(monkeypatch):
     """Where the Gluon row walk runs (made to seem so here), a decode step of G 1 over an fp8
-    cache takes its narrow shape unless a wide launch of <= 64 rows runs beside it: paged (no
-    wide units) and relay over 96 sequences (128-row units) take it, relay over 24 (32-row
-    units) does not; a 16-bit cache, prefill rows (the position mask) and G 2 never do. The
-    same output as the twin: on the CPU from the Triton kernel in the walk's shape
-    (`hopper_rows.applies` is false there), on a Hopper GPU from the walk."""
+    cache takes its narrow shape: paged (no wide units) and relay over 96 sequences (128-row
+    units) beside the wide launch, relay over 24 (32-row units) after it; a 16-bit cache,
+    prefill rows (the position mask) and G 2 never do. The same output as the twin: on the
+    CPU from the Triton kernel in the walk's shape (`hopper_rows.applies` is false there), on
+    a Hopper GPU from the walk."""
     from prefixserve.bench.kernels.rows import Workload, build
 
     monkeypatch.setattr("prefixserve.attention.ops.triton.kernels._gluon_rows", lambda shape: True)
     walk = choose_configs(0, 64, 2, fp8=True, walk=True)[0]
     assert walk.walk and walk.dynamic and walk.block_n == 64 and walk.num_warps == 1
     assert choose_configs(4096, 128, 2, fp8=True, walk=True)[0].block_n == 32
-    assert not choose_configs(32, 128, 2, fp8=True, walk=True)[0].walk
+    after = dataclasses.replace(walk, block_n=32, after_wide=True)
+    assert choose_configs(32, 128, 2, fp8=True, walk=True)[0] == after
+    assert not choose_configs(4096, 128, 2, fp8=True, walk=True)[0].after_wide
+    assert not choose_configs(0, 128, 2, fp8=True, walk=True)[0].after_wide
     assert not choose_configs(0, 128, 2, walk=True)[0].walk
 
     def row(batch, heads, kv):
         return build(Workload("test", batch, heads, 4, 64, 300, (256,), 16, "float16", kv_dtype=kv), DEVICE)
 
     cases = [(row(24, 4, "fp8"), PagedBackend, True), (row(96, 4, "fp8"), RelayBackend, True),
-             (row(24, 4, "fp8"), RelayBackend, False), (row(24, 4, ""), PagedBackend, False),
+             (row(24, 4, "fp8"), RelayBackend, True), (row(24, 4, ""), PagedBackend, False),
              (row(24, 8, "fp8"), PagedBackend, False), (tree_case(5, torch.float16, 64, 1, 16, True), RelayBackend, False)]
     for case, cls, on in cases:
         backend = cls(case.shape, kernels=tops.TritonKernels(case.shape, sms=3))
@@ -285,7 +288,8 @@ def test_plans_take_the_row_walk_for_fp8_decode_tails(monkeypatch):
         x = backend.current.extra
         assert x["narrow_walk"] == on and x["narrow_programs"] > 0, (cls.name, case.shape)
         if on:
-            assert backend.kernels.launch_config(x, "narrow") == walk
+            beside = x["wide_programs"] == 0 or x["wide_block_m"] == 128
+            assert backend.kernels.launch_config(x, "narrow") == dataclasses.replace(walk, after_wide=not beside)
             args = (case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone())
             o = backend.run(*args, kv_scale=case.kv_scale)
             twin = cls(case.shape, kernels=ops.ReferenceKernels(case.shape))

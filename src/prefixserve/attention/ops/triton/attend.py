@@ -554,7 +554,8 @@ def launch_worklist(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     kv_scale: torch.Tensor | None = None,
                     final: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> bool:
     """Both unit classes' launches (narrow, wide), writing o, lse. With a side stream (CUDA)
-    the wide launch runs on it, concurrently with the narrow one; the current stream waits for
+    the wide launch runs on it, concurrently with the narrow one (unless the narrow config says
+    `after_wide`: then one after the other on the current stream); the current stream waits for
     it before returning (graph capture records the fork and join). new_kv: as launch_units',
     for the launches that store; window: a sliding layer's; kv_scale: an fp8 cache's. final:
     (o, lse or None) of the final rows, which a merging narrow launch (`Launch.merge`) writes
@@ -579,7 +580,8 @@ def launch_worklist(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         go(wide, trigger=pdl)
         go(narrow, final, Merge(*narrow.merge, o, lse, pdl))
         return False
-    fork = side if narrow.programs and wide.programs else None  # a side stream, if both run
+    # a side stream, if both run and the narrow launch goes beside the wide one
+    fork = side if narrow.programs and wide.programs and not narrow.cfg.after_wide else None
     if fork is not None:
         fork.wait_stream(torch.cuda.current_stream(q.device))
         with torch.cuda.stream(fork):

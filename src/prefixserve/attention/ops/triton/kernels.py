@@ -32,7 +32,7 @@ from .store import store_kv
 from .worklist import NARROW_ROWS, KernelConfig, build_worklist, choose_configs, items_need_causal
 
 _SHAPE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "programs_per_sm", "hopper", "maxnreg",
-               "dynamic", "walk")
+               "dynamic", "walk", "after_wide")
 
 
 class TritonKernels:
@@ -145,8 +145,10 @@ class TritonKernels:
 
     @staticmethod
     def launch_config(extra: DeviceExtras, cls: str) -> KernelConfig:
-        m, n, warps, stages, per_sm, hopper, maxnreg, dynamic, walk = (_int(extra, f"{cls}_{k}") for k in _SHAPE_KEYS)
-        return KernelConfig(m, n, warps, stages, per_sm, bool(hopper), maxnreg, bool(dynamic), bool(walk))
+        m, n, warps, stages, per_sm, hopper, maxnreg, dynamic, walk, after = (_int(extra, f"{cls}_{k}")
+                                                                            for k in _SHAPE_KEYS)
+        return KernelConfig(m, n, warps, stages, per_sm, bool(hopper), maxnreg, bool(dynamic), bool(walk),
+                            bool(after))
 
     def launches(self, x: DeviceExtras) -> tuple[Launch, Launch]:
         """The (narrow, wide) launches of a plan's extras `x`."""

@@ -91,6 +91,7 @@ class KernelConfig:
     maxnreg: int = 0  # registers a thread at most (0: the compiler's choice)
     dynamic: bool = False  # programs take units from a device counter, not a fixed stride
     walk: bool = False  # a narrow launch of G 1 over fp8, no position mask: the Gluon row walk (`hopper_rows`)
+    after_wide: bool = False  # a narrow launch: runs after the wide one on its stream, not beside it
 
 
 NARROW_ROWS = 16  # items with q_len * G <= this run in the narrow launch (decode tails)
@@ -133,29 +134,35 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     tails 2-8% faster, the all-shared ones within 1.2% (64-key tiles at 5 stages: 9-13% faster
     without sharing, up to 17% slower elsewhere; 16-bit rows: no change either way).
     walk: the narrow units may run the Gluon row walk (`hopper_rows.supports`: G 1, a step
-    with no position mask). An fp8 cache's take it where no wide launch of <= 64 rows runs
-    beside it (max_wide_rows 0, or 128-row tiles): one-warp CTAs, 8 an SM, K tiles of 4 KB (32
-    keys), 2 stages, items from a counter (with a fixed stride, the CTAs that wait for room
+    with no position mask), which an fp8 cache's take: one-warp CTAs, 8 an SM, K tiles of 4 KB
+    (32 keys), 2 stages, items from a counter (with a fixed stride, the CTAs that wait for room
     beside the products held their share). On an H200 (issue 25 part nine): paged decode
-    0.83-0.89x, the engine's 1,024 x 16K step 0.966x. Not taken: beside the one-row-warpgroup
-    CTA or Triton's 32-row tiles (Table 3's rows with tails 4-15% slower), and over 16-bit
-    caches (paged decode within 0.6%; the engine's 1,024 x 16K step 1-4% slower, though that
-    step's attention launches alone measured 2-13% faster at 9 of 10 tail lengths).
+    0.83-0.89x, the engine's 1,024 x 16K step 0.966x. Beside a wide launch of <= 64 rows (fp8:
+    Triton's tiles) it runs after it instead (`after_wide`: beside those programs, which hold
+    the SMs' registers, Table 3's rows with tails took 4-15% longer than with the Triton narrow
+    kernel; after them, with the wide tiles below, 1-22% less: issue 25 part fourteen). Not
+    taken over 16-bit caches (paged decode within 0.6%; the engine's 1,024 x 16K step 1-4%
+    slower, though that step's attention launches alone measured 2-13% faster at 9 of 10 tail
+    lengths).
+    fp8 wide tiles of <= 64 rows: 5 stages, so that the pipeliner double-buffers the K/V tiles
+    (below 5 it gives them one buffer: their addresses come from loads); on an H200 Table 3's
+    fp8 rows took 2-15% less time than at 3 (issue 25 part fourteen).
     """
     block_n = 64 if head_dim > 64 else 128
     if itemsize >= 4:
         block_n //= 2
     wide_m = min(128, max(32, next_pow2(max_wide_rows)))
     narrow = KernelConfig(NARROW_ROWS, block_n, num_warps=2)
-    if walk and fp8 and (max_wide_rows == 0 or wide_m == 128):
+    if walk and fp8:
         narrow = KernelConfig(NARROW_ROWS, 4096 // head_dim, num_warps=1, programs_per_sm=8,
-                              maxnreg=NARROW_REGS_BESIDE_GLUON, dynamic=True, walk=True)
+                              maxnreg=NARROW_REGS_BESIDE_GLUON, dynamic=True, walk=True,
+                              after_wide=0 < max_wide_rows and wide_m < 128)
     elif fp8:
         narrow = KernelConfig(NARROW_ROWS, block_n // 2, num_warps=2, num_stages=5)
     elif gluon and wide_m == 128:
         narrow = KernelConfig(NARROW_ROWS, block_n // 2, num_warps=2, programs_per_sm=8,
                               maxnreg=NARROW_REGS_BESIDE_GLUON, dynamic=True)
-    return (narrow, KernelConfig(wide_m, block_n, num_stages=2 if wide_m == 128 else 3,
+    return (narrow, KernelConfig(wide_m, block_n, num_stages=2 if wide_m == 128 else 5 if fp8 else 3,
                                  programs_per_sm=2 if wide_m == 128 else 1 if gluon else 4))
 
 
