@@ -31,8 +31,8 @@ from .merge import merge_rows
 from .store import store_kv
 from .worklist import NARROW_ROWS, KernelConfig, build_worklist, choose_configs, items_need_causal
 
-_SHAPE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "programs_per_sm", "hopper", "maxnreg",
-               "dynamic", "walk", "after_wide")
+# a launch shape in a plan's extras: every field of KernelConfig as an int (its bools as 0 / 1)
+_SHAPE_FIELDS = dataclasses.fields(KernelConfig)
 
 
 class TritonKernels:
@@ -101,8 +101,8 @@ class TritonKernels:
             if (*stores, wl.fused is not None) != self._padded_baked:
                 self._padded_baked = (*stores, wl.fused is not None)
                 self.generation += 1
-        shapes = {f"{c}_{k}": getattr(cfg, k) for c, cfg in zip(("narrow", "wide"), configs, strict=True)
-                  for k in _SHAPE_KEYS}
+        shapes = {f"{c}_{f.name}": getattr(cfg, f.name) for c, cfg in zip(("narrow", "wide"), configs, strict=True)
+                  for f in _SHAPE_FIELDS}
         grids = {f"{c}_programs": grid_size(len(u), s.num_kv_heads, cfg, self.sms, padded)
                  for c, u, cfg in zip(("narrow", "wide"), (wl.narrow, wl.wide), configs, strict=True)}
         if self.group > NARROW_ROWS:  # one row's G heads exceed a narrow tile: never a narrow unit
@@ -145,8 +145,8 @@ class TritonKernels:
 
     @staticmethod
     def launch_config(extra: DeviceExtras, cls: str) -> KernelConfig:
-        m, n, warps, stages, per_sm, hopper, maxnreg, dynamic, walk, after = (_int(extra, f"{cls}_{k}")
-                                                                            for k in _SHAPE_KEYS)
+        m, n, warps, stages, per_sm, hopper, maxnreg, dynamic, walk, after = (_int(extra, f"{cls}_{f.name}")
+                                                                            for f in _SHAPE_FIELDS)
         return KernelConfig(m, n, warps, stages, per_sm, bool(hopper), maxnreg, bool(dynamic), bool(walk),
                             bool(after))
 
