@@ -12,6 +12,7 @@ covers: a slot outside [lo, hi) must reach neither a score nor the output.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -77,6 +78,17 @@ def shared_items(seed: int, dtype: torch.dtype, hkv: int, g: int, d: int, chunk:
             i32(kv_chunk), i32(kv_lo), i32(kv_hi), i32(kv_pos)), rows
 
 
+def to_fp8(seed: int, args: tuple, hkv: int, d: int):
+    """`shared_items`' arguments over an fp8 cache (per-head powers of two, as the engine's
+    scales; NaN slots stay NaN): (arguments, kv_scale)."""
+    gen = torch.Generator().manual_seed(seed)
+    s = torch.exp2(-torch.randint(5, 9, (2, hkv), generator=gen).float())
+    kv_scale = torch.cat([s, 1 / s])
+    k8, v8 = (reference.quantize(c.float().view(-1, hkv, d), kv_scale[i]).view(c.shape)
+              for c, i in ((args[1], reference.K_INV), (args[2], reference.V_INV)))
+    return (args[0], k8, v8, *args[3:]), kv_scale
+
+
 def check_partials(o, lse, o_ref, lse_ref, o_bound):
     """A launch's (o, lse) against the twin's: no NaN, o within o_bound, lse -inf where the
     twin's is (rows that saw no key), else within fp32 rounding."""
@@ -115,6 +127,76 @@ def test_gluon_wide_launch_matches_twin(dtype, hkv, g, d, chunk, items, sms, blo
         results.append(o)
     # the two kernels: the same products and softmax, up to the order of fp32 sums
     assert (results[0] - results[1]).abs().max() <= 2 * U[dtype] * vmax
+
+
+@pytest.mark.parametrize("dtype,hkv,g,d,chunk,items", CASES)
+@pytest.mark.parametrize("sms", [None, 3], ids=["whole-items", "split-k"])
+@pytest.mark.parametrize("block_m", [64, 32])
+def test_gluon_wide_launch_over_fp8_matches_twin(dtype, hkv, g, d, chunk, items, sms, block_m):
+    """An fp8 cache's units of <= 64 rows (one row warpgroup; tiles widened from e4m3 by a
+    warpgroup of their own): against the twin and the Triton kernel. Units of 128 rows stay
+    the Triton kernel's."""
+    args, rows = shared_items(len(items) + d, dtype, hkv, g, d, chunk, items)
+    args, kv_scale = to_fp8(len(items) + d, args, hkv, d)
+    dev = [x.to(DEVICE) for x in args]
+    assert hopper.applies(dev[0], dev[1], block_m, False, None, False)
+    assert not hopper.applies(dev[0], dev[1], 128, False, None, False)
+    o_ref, lse_ref = reference.attend_items(*args, 1.0 / d**0.5, rows, kv_scale=kv_scale)
+    vmax = (args[2].float() * kv_scale[reference.V_SCALE][None, None, :, None]).nan_to_num(0).abs().max()
+    results = []
+    for use in (True, False):  # the Gluon kernel, then the Triton kernel it replaces
+        wide = KernelConfig(block_m, 64, num_stages=5, programs_per_sm=1, hopper=use)
+        o, lse = (x.cpu() for x in tops.attend_items(*dev, 1.0 / d**0.5, rows, kv_scale=kv_scale.to(DEVICE),
+                                                     sms=sms, configs=(NARROW, wide)))
+        check_partials(o, lse, o_ref, lse_ref, (1e-5 + 2 * U[dtype]) * vmax)
+        results.append(o)
+    assert (results[0] - results[1]).abs().max() <= 2 * U[dtype] * vmax
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("batch,heads,kv_heads,context", [(24, 8, 8, 512), (12, 16, 4, 512), (20, 8, 8, 700)],
+                         ids=["all-shared-g1", "all-shared-g4", "tails-g1"])
+def test_decode_step_with_gluon_wide_units_over_fp8(dtype, batch, heads, kv_heads, context, monkeypatch):
+    """A decode step over an fp8 cache whose wide units hold <= 64 rows: relay runs them in
+    the Gluon kernel. All-shared, the wide units write their rows' new keys (quantized as the
+    store launch quantizes them); with tails, the narrow units do. Against the Triton wide
+    kernel (Gluon off: within the products' 16-bit P) and paged; the same cache bytes; a
+    second run gives the same output."""
+    from prefixserve.attention.backends.paged import PagedBackend
+    from prefixserve.attention.backends.relay import RelayBackend
+    from prefixserve.attention.ops.triton import kernels as tk
+    from prefixserve.bench.kernels.rows import Workload, build
+
+    name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    row = build(Workload("test", batch, heads, kv_heads, 128, context, (512,), 64, name, kv_dtype="fp8"),
+                DEVICE)
+    choose = tk.choose_configs
+
+    def triton_wide(*args, **kwargs):
+        narrow, wide = choose(*args, **kwargs)
+        return narrow, dataclasses.replace(wide, hopper=False)
+
+    outs, caches = {}, []
+    for label, cls, on in (("gluon", RelayBackend, True), ("triton", RelayBackend, False),
+                           ("paged", PagedBackend, True)):
+        monkeypatch.setattr(tk, "choose_configs", choose if on else triton_wide)
+        be = cls(row.shape, kernels=tops.TritonKernels(row.shape))
+        be.plan(row.batch)
+        x = be.current.extra
+        if cls is RelayBackend:
+            assert x["wide_block_m"] <= 64 and x["stores_wide"] == (context == 512), label
+            assert hopper.applies(row.q, row.k_cache, x["wide_block_m"], False, None, bool(x["stores_wide"]))
+            assert x["wide_hopper"] == on, label
+        k_cache, v_cache = row.k_cache.clone(), row.v_cache.clone()
+        outs[label] = be.run(row.q, row.k, row.v, k_cache, v_cache, kv_scale=row.kv_scale).float()
+        again = be.run(row.q, row.k, row.v, row.k_cache.clone(), row.v_cache.clone(), kv_scale=row.kv_scale)
+        assert torch.equal(again.float(), outs[label]) and not outs[label].isnan().any(), label
+        caches.append((k_cache, v_cache))
+    for other in caches[1:]:
+        for a, b in zip(caches[0], other, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for label, o in outs.items():
+        assert (o - outs["paged"]).abs().max() <= 4 * U[dtype] * row.vmax, label
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

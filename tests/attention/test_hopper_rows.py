@@ -31,7 +31,7 @@ from prefixserve.attention.ops.triton.attend import GLUON_TRITON, hopper_module 
 rows_walk = hopper_module("hopper_rows")
 if rows_walk is None:
     pytest.skip(f"the Gluon kernels are tested on Triton {GLUON_TRITON} only", allow_module_level=True)
-from test_hopper import U, check_partials, shared_items  # noqa: E402  (skips with this module: the same GPU)
+from test_hopper import U, check_partials, shared_items, to_fp8  # noqa: E402  (skips with this module: the same GPU)
 
 from prefixserve.attention.ops.triton.worklist import KernelConfig, choose_configs  # noqa: E402
 
@@ -44,12 +44,8 @@ def narrow_items(seed: int, dtype: torch.dtype, hkv: int, d: int, chunk: int,
     """`test_hopper.shared_items` at G 1 over an fp8 cache (per-head powers of two, as the
     engine's scales; NaN slots stay NaN): (attend_items' arguments, rows, kv_scale)."""
     args, num_rows = shared_items(seed, dtype, hkv, 1, d, chunk, items)
-    gen = torch.Generator().manual_seed(seed)
-    s = torch.exp2(-torch.randint(5, 9, (2, hkv), generator=gen).float())
-    kv_scale = torch.cat([s, 1 / s])
-    k8, v8 = (reference.quantize(c.float().view(-1, hkv, d), kv_scale[i]).view(c.shape)
-              for c, i in ((args[1], reference.K_INV), (args[2], reference.V_INV)))
-    return (args[0], k8, v8, *args[3:]), num_rows, kv_scale
+    args, kv_scale = to_fp8(seed, args, hkv, d)
+    return args, num_rows, kv_scale
 
 
 CASES = [  # (dtype, Hkv, D, chunk, items)

@@ -490,8 +490,8 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         hopper = hopper_module() if cfg.hopper else None
         if hopper and hopper.applies(q, k_cache, cfg.block_m, causal, window, slots is not None):
             hopper.launch(q, k_cache, v_cache, units, count, kv_chunk, kv_lo, kv_hi, scale, o,
-                          lse, min(programs, num_sms(q.device)), cfg.block_m,
-                          cfg.maxnreg or hopper.MAXNREG, trigger, new_kv)
+                          lse, min(programs, num_sms(q.device)), cfg.block_m, cfg.maxnreg,
+                          trigger, new_kv, kv_scale)
             return
         programs = min(programs, resident_programs(args, meta, q.device))
     _attend_kernel[(programs,)](*args, **meta)

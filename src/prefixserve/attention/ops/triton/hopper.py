@@ -39,13 +39,21 @@ tile never leaves its chunk), columns h * D, + D. A slot outside the entry's [lo
 slots' V rows are zeroed in shared memory before the product (0 * inf would be NaN) -- only
 in tiles that hold such slots.
 
+An fp8 cache (e4m3, `reference`'s kv_scale) in units of <= 64 rows: the load warp fills a
+ring of e4m3 tiles (STAGES_FP8, half the bytes), a fourth partition (`_widen_partition`, one
+warpgroup) widens each into the products' fp16 ring, exactly, and the row warpgroup runs as
+over a 16-bit cache with the head's K scale in the score scale and its V scale on the output
+(powers of two: exact; bf16 queries as fp16 x 2^-8, as `store.fp8_query`); its own new keys
+are quantized as the store launch quantizes them (`_quantize`). Wgmma's fp8 products would
+take P and Q in e4m3: not exact. Units of 128 rows over fp8 stay the Triton kernel's.
+
 Taken only where it applies (`applies`), on the Triton it is tested on
-(`attend.hopper_module`): CUDA compute capability 9.x, fp16 / bf16 cache and
-queries, D 64 or 128 (at 256 the pipelined loop spills), C a power of two >= BLOCK_N, no
-position mask (decode: every row sees every key of its units), no sliding window, G <= 16
-where units store new keys (a wide unit then stores its rows' own: worklist's `_absorb_keys`;
-at G > 16 a decode tail's, in its last entry, which the Triton kernel takes), wide units of at
-most 128 rows.
+(`attend.hopper_module`): CUDA compute capability 9.x, fp16 / bf16 queries over a cache of
+their dtype or fp8, D 64 or 128 (at 256 the pipelined loop spills), C a power of two >=
+BLOCK_N, no position mask (decode: every row sees every key of its units), no sliding window,
+G <= 16 where units store new keys (a wide unit then stores its rows' own: worklist's
+`_absorb_keys`; at G > 16 a decode tail's, in its last entry, which the Triton kernel takes),
+wide units of at most 128 rows (64 over fp8).
 
 A unit that holds its rows' new keys (store -2 - t: a step whose keys sit alone in their
 chunks under the shared ones, as after a shared prompt) takes each row's own key as one more
@@ -70,6 +78,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..reference import FP8, K_INV, K_SCALE, V_INV, V_SCALE
 from .worklist import NARROW_REGS_BESIDE_GLUON, NARROW_ROWS
 
 BLOCK_M = 128  # rows of a unit at most: two warpgroups of 64
@@ -83,6 +92,13 @@ STAGES = 3  # K/V ring depth, 3 x 32 KiB + Q 32 KiB at D 128 (4: 0-6% slower, 2:
 # warpgroup (256 threads, 2 warps a sub-partition) it gets 232, and a sub-partition has room
 # for one warp of the narrow launch's own shape (255 registers).
 MAXNREG = (512 - NARROW_REGS_BESIDE_GLUON) // 3 // 8 * 8
+# fp8: 3 warpgroups (rows 240 registers a thread, widen 96, load 24), 3 warps x 120 of a
+# sub-partition's 512 a warp-thread. The row walk of an fp8 step's tails runs after this CTA,
+# not beside it (`worklist.choose_configs`), so the room left is not shaped for it.
+STAGES_FP8 = gl.constexpr(4)  # the e4m3 load ring: 4 x 16 KiB at D 128
+WIDEN_REGS = gl.constexpr(96)
+MAXNREG_FP8 = (240 + WIDEN_REGS.value + 24) // 3
+_K_SCALE, _V_SCALE, _K_INV, _V_INV = (gl.constexpr(r) for r in (K_SCALE, V_SCALE, K_INV, V_INV))
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, block_m: int, causal: bool,
@@ -92,8 +108,9 @@ def applies(q: torch.Tensor, k_cache: torch.Tensor, block_m: int, causal: bool,
     (on an H200, 1,024 x 64-key tails took 988 us so, 518 in the row walk: kernels-notes.md,
     issue 25 part nine). Stores only where G <= NARROW_ROWS: then a wide unit that stores
     holds its rows' keys (store -2 - t), not a decode tail's last entry's."""
+    most = 64 if k_cache.dtype == FP8 else BLOCK_M
     return (supports(q.device, q.dtype, k_cache.dtype, q.shape[-1], k_cache.shape[1])
-            and NARROW_ROWS < block_m <= BLOCK_M and not causal and window is None
+            and NARROW_ROWS < block_m <= most and not causal and window is None
             and (not stores or q.shape[1] // k_cache.shape[2] <= NARROW_ROWS))
 
 
@@ -102,7 +119,7 @@ def supports(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, he
     """The part of `applies` that a model's shape decides (the rest is the launch's)."""
     if torch.device(device).type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return False
-    return (dtype in (torch.float16, torch.bfloat16) and kv_dtype == dtype and head_dim in (64, 128)
+    return (dtype in (torch.float16, torch.bfloat16) and kv_dtype in (dtype, FP8) and head_dim in (64, 128)
             and chunk >= 64 and chunk & (chunk - 1) == 0)
 
 
@@ -131,6 +148,53 @@ def _load_partition(units, unit_count, kv_chunk, k_desc, v_desc, k_bufs, v_bufs,
 
 
 @gluon.jit
+def _quantize(x, inv):
+    """`store.quantize_fp8` in Gluon, bit for bit: e4m3 of x * inv (fp32), rounded to e4m3's
+    grid in fp32 first (normal: 3 mantissa bits, ties to even; subnormal: multiples of 2^-9)."""
+    y = gl.minimum(gl.maximum(x.to(gl.float32) * inv, -448.0), 448.0)
+    bits = y.to(gl.int32, bitcast=True)
+    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    sub = ((y + 24576.0) - 24576.0).to(gl.int32, bitcast=True) | (bits & -0x80000000)
+    y = gl.where((bits & 0x7FFFFFFF) >= 0x3C800000, normal, sub).to(gl.float32, bitcast=True)
+    return y.to(gl.float8e4nv)
+
+
+@gluon.jit
+def _widen_partition(units, unit_count, k8_bufs, v8_bufs, k8_ready, v8_ready, empty8, k_bufs,
+                     v_bufs, k_ready, v_ready, empty, HKV: gl.constexpr, TPE: gl.constexpr):
+    """An fp8 cache's tiles, in walk order: each K and V tile of the load ring (e4m3, TMA's)
+    widened into the products' ring (fp16: exact, one instruction a pair), K before V so that
+    the scores start while V widens."""
+    ring8: gl.constexpr = k8_bufs.type.shape[0]
+    ring: gl.constexpr = k_bufs.type.shape[0]
+    num_units = gl.load(unit_count)
+    it = 0  # tiles widened so far: load-ring stage it % ring8, products-ring stage it % ring
+    for w in range(gl.program_id(0), num_units * HKV, gl.num_programs(0)):
+        u = w % num_units
+        for _ in range(0, (gl.load(units + u * 6 + 3) - gl.load(units + u * 6 + 2)) * TPE):
+            a = it % ring8
+            s = it % ring
+            mbarrier.wait(empty.index(s), ((it // ring) & 1) ^ 1)  # lap 0 passes
+            mbarrier.wait(k8_ready.index(a), (it // ring8) & 1)
+            _widen(k8_bufs.index(a), k_bufs.index(s), k_ready.index(s))
+            mbarrier.wait(v8_ready.index(a), (it // ring8) & 1)
+            _widen(v8_bufs.index(a), v_bufs.index(s), v_ready.index(s))
+            mbarrier.arrive(empty8.index(a), count=1)  # (`_widen` ended in a barrier)
+            it += 1
+
+
+@gluon.jit
+def _widen(src, dst, ready):
+    """dst = src (e4m3 [BLOCK_N, D] -> fp16), then `ready` (one arrival, the partition's
+    writes fenced for the tensor cores' reads)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # 16-byte loads
+    dst.store(src.load(layout).to(gl.float16))
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(ready, count=1)
+
+
+@gluon.jit
 def _bounds(kv_lo, kv_hi, e0, j, BLOCK_N: gl.constexpr, TPE: gl.constexpr):
     """The unit's tile j's key slots [lo, hi), in the tile's own slot numbers."""
     e = e0 + j // TPE
@@ -153,14 +217,16 @@ def _rows_partition(q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem, 
                     stride_lt, scale_log2, WG: gl.constexpr, HKV: gl.constexpr,
                     G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                     TPE: gl.constexpr, WRITE_LSE: gl.constexpr, STORE: gl.constexpr,
-                    HOLD: gl.constexpr):
+                    HOLD: gl.constexpr, FP8: gl.constexpr):
     """Consumer: rows [64 WG, 64 WG + 64) of every work item's tile, one warpgroup. Row m of
     a unit's tile is (query row q_start + m // G, head h * G + m % G). STORE: a unit whose
     store is -2 - t also attends to its rows' own new keys (new_kv: their pointers and
     strides): loaded before its Q tile, written and scored once it is staged, joined after the
     walk (`_own_keys`, `_own_join`: their round trips and writes off the walk's chain), if
     HOLD (one row warpgroup: its registers hold their values over the walk; at two, 176
-    registers a thread spilled 656 bytes so); else all after the walk."""
+    registers a thread spilled 656 bytes so); else all after the walk. FP8: the tiles are an
+    fp8 cache's, widened (`_widen_partition`): the head's K scale joins the score scale, its V
+    scale the output (new_kv[9]: kv_scale [4, Hkv]; powers of two, exact)."""
     num_units = gl.load(unit_count)
     it = 0  # tiles consumed so far, as the producer counts them
     for w in range(gl.program_id(0), num_units * HKV, gl.num_programs(0)):
@@ -172,29 +238,35 @@ def _rows_partition(q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem, 
         num_tiles = (gl.load(units + u * 6 + 3) - e0) * TPE
         m = WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _IO_LAYOUT))
         if WG * 64 < q_len * G:
+            sl2 = scale_log2
+            v_scale = 1.0
+            if FP8:
+                sl2 = scale_log2 * gl.load(new_kv[9] + _K_SCALE * HKV + h)
+                v_scale = gl.load(new_kv[9] + _V_SCALE * HKV + h)
             if STORE:  # the rows' own new keys, if the unit holds them (see above)
                 t = gl.load(units + u * 6 + 5)
                 if HOLD:
-                    kt, vt, dst = _own_loads(new_kv, t <= -2, q_len, -2 - t, h, WG, HKV, G, HEAD_DIM)
+                    kt, vt, dst = _own_loads(new_kv, t <= -2, q_len, -2 - t, h, WG, HKV, G, HEAD_DIM,
+                                             FP8)
             q_rows = (q + (q_start + m // G).to(gl.int64)[:, None] * stride_qt
                       + (h * G + m % G)[:, None] * stride_qh)
             _stage_q(q_rows, m // G < q_len, q_smem, HEAD_DIM)
             if STORE:
                 if HOLD:
-                    s_own = _own_keys(q_smem, kt, vt, dst, new_kv, t <= -2, q_len, scale_log2, WG,
-                                      G, HEAD_DIM, BLOCK_N)
+                    s_own = _own_keys(q_smem, kt, vt, dst, new_kv, t <= -2, q_len, sl2, WG, G,
+                                      HEAD_DIM, BLOCK_N)
             acc, m_i, l_i = _walk(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, kv_lo, kv_hi,
-                                  e0, num_tiles, it, scale_log2, q.dtype.element_ty, HEAD_DIM,
-                                  BLOCK_N, TPE)
+                                  e0, num_tiles, it, sl2, q_smem.dtype, HEAD_DIM, BLOCK_N, TPE)
             if STORE:
                 if not HOLD:
-                    kt, vt, dst = _own_loads(new_kv, t <= -2, q_len, -2 - t, h, WG, HKV, G, HEAD_DIM)
-                    s_own = _own_keys(q_smem, kt, vt, dst, new_kv, t <= -2, q_len, scale_log2, WG,
-                                      G, HEAD_DIM, BLOCK_N)
+                    kt, vt, dst = _own_loads(new_kv, t <= -2, q_len, -2 - t, h, WG, HKV, G, HEAD_DIM,
+                                             FP8)
+                    s_own = _own_keys(q_smem, kt, vt, dst, new_kv, t <= -2, q_len, sl2, WG, G,
+                                      HEAD_DIM, BLOCK_N)
                 if t <= -2:
                     acc, m_i, l_i = _own_join(acc, m_i, l_i, s_own, vt, HEAD_DIM)
-            _write_rows(o, lse, acc, m_i, l_i, gl.load(units + u * 6 + 4), q_len, h, stride_ot,
-                        stride_oh, stride_lt, WG, G, HEAD_DIM, WRITE_LSE)
+            _write_rows(o, lse, acc, m_i, l_i, v_scale, gl.load(units + u * 6 + 4), q_len, h,
+                        stride_ot, stride_oh, stride_lt, WG, G, HEAD_DIM, WRITE_LSE)
         else:  # every row is padding: only keep the ring turning
             _skip(k_ready, v_ready, empty, it, num_tiles)
         it += num_tiles
@@ -203,9 +275,12 @@ def _rows_partition(q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem, 
 @gluon.jit
 def _stage_q(q_rows, row_ok, q_smem, HEAD_DIM: gl.constexpr):
     """The Q tile [64, D] (pointers q_rows [64, 1] to each row's D values; padding rows 0)
-    into q_smem, for the products' A operand."""
+    into q_smem, for the products' A operand. A bf16 tile staged as fp16 (an fp8 cache's
+    products run in fp16) is taken x 2^-8, as `store.fp8_query` (the score scale x 2^8)."""
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, _IO_LAYOUT))
     qt = gl.load(q_rows + cols[None, :], mask=row_ok[:, None], other=0.0)
+    if qt.dtype != q_smem.dtype:
+        qt = (qt.to(gl.float32) * 0.00390625).to(q_smem.dtype)
     gl.thread_barrier()  # the last work item's products are done with q_smem
     q_smem.store(qt)
     fence_async_shared()
@@ -214,12 +289,13 @@ def _stage_q(q_rows, row_ok, q_smem, HEAD_DIM: gl.constexpr):
 
 @gluon.jit
 def _own_loads(new_kv, own, q_len, t, h, WG: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr,
-               HEAD_DIM: gl.constexpr):
+               HEAD_DIM: gl.constexpr, FP8: gl.constexpr):
     """Where `own` (the unit holds its rows' keys: row r's is key t + r - q_start of new_kv =
-    (k_new, v_new [T, Hkv, D], slots, k_cache, v_cache, their strides)): the keys and values
-    of rows [64 WG, + 64) [64, D] in the accumulator's layout (no shared memory), and their
-    cache offsets; else nothing loaded (zeros)."""
-    k_new, v_new, slots, k_cache, v_cache, stride_kt, stride_kh, stride_vt, stride_vh = new_kv
+    (k_new, v_new [T, Hkv, D], slots, k_cache, v_cache, their strides, kv_scale)): the keys
+    and values of rows [64 WG, + 64) [64, D] in the accumulator's layout (no shared memory),
+    FP8: quantized as the store launch quantizes them (`_quantize`), and their cache offsets;
+    else nothing loaded (zeros)."""
+    k_new, v_new, slots, k_cache, v_cache, stride_kt, stride_kh, stride_vt, stride_vh, kv_scale = new_kv
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     m = WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -230,6 +306,9 @@ def _own_loads(new_kv, own, q_len, t, h, WG: gl.constexpr, HKV: gl.constexpr, G:
                  other=0.0)
     vt = gl.load(v_new + key[:, None] * stride_vt + h * stride_vh + cols[None, :], mask=tile_ok,
                  other=0.0)
+    if FP8:
+        kt = _quantize(kt, gl.load(kv_scale + _K_INV * HKV + h))
+        vt = _quantize(vt, gl.load(kv_scale + _V_INV * HKV + h))
     dst = (gl.load(slots + key, mask=ok, other=0) * (HKV * HEAD_DIM) + h * HEAD_DIM)[:, None] + cols[None, :]
     return kt, vt, dst
 
@@ -321,15 +400,15 @@ def _walk(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, kv_lo, kv_hi, e0, num
 
 
 @gluon.jit
-def _write_rows(o, lse, acc, m_i, l_i, out, q_len, h, stride_ot, stride_oh, stride_lt,
+def _write_rows(o, lse, acc, m_i, l_i, v_scale, out, q_len, h, stride_ot, stride_oh, stride_lt,
                 WG: gl.constexpr, G: gl.constexpr, HEAD_DIM: gl.constexpr,
                 WRITE_LSE: gl.constexpr):
-    """o = acc / l (and lse = ln 2 (m + log2 l)) at the unit's out rows; a row that saw no
-    key writes (0, -inf)."""
+    """o = acc / l x v_scale (an fp8 head's V scale, else 1: a power of two, exact; and lse =
+    ln 2 (m + log2 l)) at the unit's out rows; a row that saw no key writes (0, -inf)."""
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
     seen = l_i > 0.0
     inv = gl.convert_layout(1.0 / gl.where(seen, l_i, 1.0), gl.SliceLayout(1, o_layout))
-    o_tile = gl.convert_layout((acc * inv[:, None]).to(o.dtype.element_ty), _IO_LAYOUT)
+    o_tile = gl.convert_layout((acc * inv[:, None] * v_scale).to(o.dtype.element_ty), _IO_LAYOUT)
     m = WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _IO_LAYOUT))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, _IO_LAYOUT))
     o_ptr = (o + (out + m // G).to(gl.int64)[:, None] * stride_ot
@@ -407,33 +486,46 @@ def _ready_v(v_bufs, v_ready, it, n_v, lo, hi):
 
 @gluon.jit
 def _wide_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o, lse,
-                 k_new, v_new, slots, k_cache, v_cache, stride_kt, stride_kh, stride_vt, stride_vh,
-                 stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, scale_log2, chunk_size,
-                 HKV: gl.constexpr, G: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 k_new, v_new, slots, k_cache, v_cache, kv_scale, stride_kt, stride_kh, stride_vt,
+                 stride_vh, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, scale_log2,
+                 chunk_size, HKV: gl.constexpr, G: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BLOCK_N: gl.constexpr, TPE: gl.constexpr, STAGES: gl.constexpr,
                  WRITE_LSE: gl.constexpr, ROWS_REGS: gl.constexpr, ROW_GROUPS: gl.constexpr,
-                 TRIGGER: gl.constexpr, STORE: gl.constexpr):
+                 TRIGGER: gl.constexpr, STORE: gl.constexpr, DTYPE: gl.constexpr,
+                 RING_LAYOUT: gl.constexpr, FP8: gl.constexpr):
+    # DTYPE, RING_LAYOUT: the products' operands (q's dtype; fp16 over an fp8 cache)
     if TRIGGER:  # a merging narrow launch may start beside this one (`attend.launch_worklist`)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], q.dtype.element_ty)
-    q_smem = gl.allocate_shared_memory(q.dtype.element_ty, [ROW_GROUPS, 64, HEAD_DIM], q_layout)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=ROW_GROUPS)  # one arrival per row warpgroup
-    new_kv = (k_new, v_new, slots, k_cache, v_cache, stride_kt, stride_kh, stride_vt, stride_vh)
-    if ROW_GROUPS == 1:  # units of <= 64 rows: one row warpgroup and the load warp
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], DTYPE)
+    q_smem = gl.allocate_shared_memory(DTYPE, [ROW_GROUPS, 64, HEAD_DIM], q_layout)
+    k_bufs = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_N, HEAD_DIM], RING_LAYOUT)
+    v_bufs = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_N, HEAD_DIM], RING_LAYOUT)
+    k_ready, v_ready, empty = _barriers(STAGES, ROW_GROUPS)  # empty: an arrival per row warpgroup
+    new_kv = (k_new, v_new, slots, k_cache, v_cache, stride_kt, stride_kh, stride_vt, stride_vh,
+              kv_scale)
+    # (each warp_specialize gets its partitions' arguments inline: a tuple held in a variable
+    # turns its constexprs into tensors)
+    if FP8:  # one row warpgroup; the load warp fills an e4m3 ring that a warpgroup widens
+        k8_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES_FP8, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v8_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES_FP8, BLOCK_N, HEAD_DIM], v_desc.layout)
+        k8_ready, v8_ready, empty8 = _barriers(STAGES_FP8, 1)
         gl.warp_specialize([
             (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem.index(0), k_bufs,
                                v_bufs, k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot,
-                               stride_oh, stride_lt, scale_log2, 0, HKV, G, HEAD_DIM, BLOCK_N,
-                               TPE, WRITE_LSE, STORE, ROW_GROUPS == 1)),
+                               stride_oh, stride_lt, scale_log2, 0, HKV, G, HEAD_DIM, BLOCK_N, TPE,
+                               WRITE_LSE, STORE, ROW_GROUPS == 1, FP8)),
+            (_widen_partition, (units, unit_count, k8_bufs, v8_bufs, k8_ready, v8_ready, empty8,
+                                k_bufs, v_bufs, k_ready, v_ready, empty, HKV, TPE)),
+            (_load_partition, (units, unit_count, kv_chunk, k_desc, v_desc, k8_bufs, v8_bufs,
+                               k8_ready, v8_ready, empty8, chunk_size, HKV, HEAD_DIM, BLOCK_N, TPE)),
+        ], [4, 1], [WIDEN_REGS, 24])
+    elif ROW_GROUPS == 1:  # units of <= 64 rows: one row warpgroup and the load warp
+        gl.warp_specialize([
+            (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem.index(0), k_bufs,
+                               v_bufs, k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot,
+                               stride_oh, stride_lt, scale_log2, 0, HKV, G, HEAD_DIM, BLOCK_N, TPE,
+                               WRITE_LSE, STORE, ROW_GROUPS == 1, FP8)),
             (_load_partition, (units, unit_count, kv_chunk, k_desc, v_desc, k_bufs, v_bufs,
                                k_ready, v_ready, empty, chunk_size, HKV, HEAD_DIM, BLOCK_N, TPE)),
         ], [1], [24])
@@ -442,43 +534,64 @@ def _wide_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
             (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem.index(0), k_bufs,
                                v_bufs, k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot,
                                stride_oh, stride_lt, scale_log2, 0, HKV, G, HEAD_DIM, BLOCK_N, TPE,
-                               WRITE_LSE, STORE, ROW_GROUPS == 1)),
+                               WRITE_LSE, STORE, ROW_GROUPS == 1, FP8)),
             (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem.index(1), k_bufs,
                                v_bufs, k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot,
                                stride_oh, stride_lt, scale_log2, 1, HKV, G, HEAD_DIM, BLOCK_N, TPE,
-                               WRITE_LSE, STORE, ROW_GROUPS == 1)),
+                               WRITE_LSE, STORE, ROW_GROUPS == 1, FP8)),
             (_load_partition, (units, unit_count, kv_chunk, k_desc, v_desc, k_bufs, v_bufs, k_ready,
                                v_ready, empty, chunk_size, HKV, HEAD_DIM, BLOCK_N, TPE)),
         ], [4, 1], [ROWS_REGS, 24])
 
 
+@gluon.jit
+def _barriers(stages: gl.constexpr, releases: gl.constexpr):
+    """A ring's (k_ready, v_ready, empty) mbarriers [stages, 1]: one arrival readies a stage
+    (with TMA's bytes, where TMA fills it), `releases` free it."""
+    k_ready = gl.allocate_shared_memory(gl.int64, [stages, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [stages, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [stages, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(stages):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=releases)
+    return k_ready, v_ready, empty
+
+
 def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
            count: torch.Tensor, kv_chunk: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
            scale: float, o: torch.Tensor, lse: torch.Tensor | None, programs: int,
-           block_m: int = BLOCK_M, maxnreg: int = MAXNREG, trigger: bool = False,
-           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+           block_m: int = BLOCK_M, maxnreg: int = 0, trigger: bool = False,
+           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+           kv_scale: torch.Tensor | None = None) -> None:
     """`attend.launch_units` for a launch that `applies`: the first count[0] units on a
     persistent grid of `programs` CTAs (at most one per SM: its shared memory and `maxnreg`
-    registers a thread leave room for narrow programs only, not a second CTA). trigger: the
-    launch after this one may start beside it (programmatic dependent launch). new_kv: (k, v
-    [T, Hkv, D], slots [T] int64) where units hold their rows' new keys (store -2 - t)."""
+    registers a thread -- 0: MAXNREG, MAXNREG_FP8 over an fp8 cache -- leave room for narrow
+    programs only, not a second CTA). trigger: the launch after this one may start beside it
+    (programmatic dependent launch). new_kv: (k, v [T, Hkv, D], slots [T] int64) where units
+    hold their rows' new keys (store -2 - t). kv_scale: an fp8 cache's [4, Hkv]."""
     n_chunks, chunk_size, hkv, d = k_cache.shape
     g = q.shape[1] // hkv
-    dtype = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], dtype)
+    fp8 = k_cache.dtype == FP8
+    assert fp8 == (kv_scale is not None) and (block_m <= 64 or not fp8)
+    dtype = gl.float16 if q.dtype == torch.float16 or fp8 else gl.bfloat16
+    ring = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], dtype)
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], gl.float8e4nv) if fp8 else ring
     k_desc, v_desc = (TensorDescriptor(c, [n_chunks * chunk_size, hkv * d], [hkv * d, 1],
                                        [BLOCK_N, d], layout) for c in (k_cache, v_cache))
-    groups = 1 if block_m <= 64 else 2
+    if fp8 and q.dtype == torch.bfloat16:  # `_stage_q` takes the queries x 2^-8
+        scale *= 256.0
+    maxnreg = maxnreg or (MAXNREG_FP8 if fp8 else MAXNREG)
     k_new, v_new, slots = new_kv or (q, q, units)  # no store: any pointers
     _wide_kernel[(programs,)](
         q, units, count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o, o if lse is None else lse,
-        k_new, v_new, slots, k_cache, v_cache, k_new.stride(0), k_new.stride(1), v_new.stride(0),
-        v_new.stride(1),
+        k_new, v_new, slots, k_cache, v_cache, q if kv_scale is None else kv_scale,
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), 0 if lse is None else lse.stride(0),
         scale * 1.4426950408889634, chunk_size, HKV=hkv, G=g, HEAD_DIM=d, BLOCK_N=BLOCK_N,
         TPE=chunk_size // BLOCK_N, STAGES=STAGES, WRITE_LSE=lse is not None,
-        ROWS_REGS=rows_regs(maxnreg), ROW_GROUPS=groups, TRIGGER=trigger, STORE=new_kv is not None,
-        num_warps=4,
+        ROWS_REGS=rows_regs(maxnreg), ROW_GROUPS=1 if block_m <= 64 else 2, TRIGGER=trigger,
+        STORE=new_kv is not None, DTYPE=dtype, RING_LAYOUT=ring, FP8=fp8, num_warps=4,
         maxnreg=maxnreg)
 
 

@@ -45,11 +45,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..reference import FP8, K_INV, K_SCALE, V_INV, V_SCALE
-from .hopper import _bounds
+from ..reference import FP8
+from .hopper import _K_INV, _K_SCALE, _V_INV, _V_SCALE, _bounds, _quantize
 
 KL = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0]))  # [BLOCK_N, D] over 1 warp
-_K_SCALE, _V_SCALE, _K_INV, _V_INV = (gl.constexpr(r) for r in (K_SCALE, V_SCALE, K_INV, V_INV))
 
 
 def supports(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, group: int,
@@ -67,18 +66,6 @@ def applies(q: torch.Tensor, k_cache: torch.Tensor, block_n: int, causal: bool, 
     chunk = k_cache.shape[1]
     return (supports(q.device, q.dtype, k_cache.dtype, q.shape[1] // k_cache.shape[2], q.shape[-1])
             and not causal and window is None and chunk % block_n == 0)
-
-
-@gluon.jit
-def _quantize(x, inv):
-    """`store.quantize_fp8` in Gluon, bit for bit: e4m3 of x * inv (fp32), rounded to e4m3's
-    grid in fp32 first (normal: 3 mantissa bits, ties to even; subnormal: multiples of 2^-9)."""
-    y = gl.minimum(gl.maximum(x.to(gl.float32) * inv, -448.0), 448.0)
-    bits = y.to(gl.int32, bitcast=True)
-    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-    sub = ((y + 24576.0) - 24576.0).to(gl.int32, bitcast=True) | (bits & -0x80000000)
-    y = gl.where((bits & 0x7FFFFFFF) >= 0x3C800000, normal, sub).to(gl.float32, bitcast=True)
-    return y.to(gl.float8e4nv)
 
 
 @gluon.jit

@@ -137,16 +137,18 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     with no position mask), which an fp8 cache's take: one-warp CTAs, 8 an SM, K tiles of 4 KB
     (32 keys), 2 stages, items from a counter (with a fixed stride, the CTAs that wait for room
     beside the products held their share). On an H200 (issue 25 part nine): paged decode
-    0.83-0.89x, the engine's 1,024 x 16K step 0.966x. Beside a wide launch of <= 64 rows (fp8:
-    Triton's tiles) it runs after it instead (`after_wide`: beside those programs, which hold
-    the SMs' registers, Table 3's rows with tails took 4-15% longer than with the Triton narrow
-    kernel; after them, with the wide tiles below, 1-22% less: issue 25 part fourteen). Not
+    0.83-0.89x, the engine's 1,024 x 16K step 0.966x. Beside a wide launch of <= 64 rows it
+    runs after it instead (`after_wide`: beside Triton's tiles, which hold the SMs' registers,
+    Table 3's rows with tails took 4-15% longer than with the Triton narrow kernel, after them
+    1-22% less: issue 25 part fourteen; beside the Gluon CTA over fp8, with room for 2-6 walk
+    CTAs an SM, 12-33% longer than after it: part fifteen). Not
     taken over 16-bit caches (paged decode within 0.6%; the engine's 1,024 x 16K step 1-4%
     slower, though that step's attention launches alone measured 2-13% faster at 9 of 10 tail
     lengths).
-    fp8 wide tiles of <= 64 rows: 5 stages, so that the pipeliner double-buffers the K/V tiles
-    (below 5 it gives them one buffer: their addresses come from loads); on an H200 Table 3's
-    fp8 rows took 2-15% less time than at 3 (issue 25 part fourteen).
+    fp8 wide tiles of <= 64 rows (Triton's, off sm_90: there the Gluon kernel widens them):
+    5 stages, so that the pipeliner double-buffers the K/V tiles (below 5 it gives them one
+    buffer: their addresses come from loads); on an H200 Table 3's fp8 rows took 2-15% less
+    time than at 3 (issue 25 part fourteen).
     """
     block_n = 64 if head_dim > 64 else 128
     if itemsize >= 4:
