@@ -20,6 +20,7 @@ whether the units store the new keys, which a graph bakes in as well).
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ from .worklist import NARROW_ROWS, KernelConfig, build_worklist, choose_configs,
 
 # a launch shape in a plan's extras: every field of KernelConfig as an int (its bools as 0 / 1)
 _SHAPE_FIELDS = dataclasses.fields(KernelConfig)
+_BOOL_FIELDS = {name for name, t in typing.get_type_hints(KernelConfig).items() if t is bool}
 
 
 class TritonKernels:
@@ -145,10 +147,8 @@ class TritonKernels:
 
     @staticmethod
     def launch_config(extra: DeviceExtras, cls: str) -> KernelConfig:
-        m, n, warps, stages, per_sm, hopper, maxnreg, dynamic, walk, after = (_int(extra, f"{cls}_{f.name}")
-                                                                            for f in _SHAPE_FIELDS)
-        return KernelConfig(m, n, warps, stages, per_sm, bool(hopper), maxnreg, bool(dynamic), bool(walk),
-                            bool(after))
+        fields: dict[str, typing.Any] = {f.name: _int(extra, f"{cls}_{f.name}") for f in _SHAPE_FIELDS}
+        return KernelConfig(**{k: bool(v) if k in _BOOL_FIELDS else v for k, v in fields.items()})
 
     def launches(self, x: DeviceExtras) -> tuple[Launch, Launch]:
         """The (narrow, wide) launches of a plan's extras `x`."""
