@@ -26,7 +26,7 @@ if DEVICE.type != "cuda" or torch.cuda.get_device_capability(DEVICE)[0] != 9:
 
 from prefixserve.attention.ops import reference  # noqa: E402
 from prefixserve.attention.ops import triton as tops  # noqa: E402
-from prefixserve.attention.ops.triton.attend import GLUON_TRITON, hopper_module  # noqa: E402
+from prefixserve.attention.ops.triton.attend import GLUON_TRITON, MERGE_CHUNK, hopper_module  # noqa: E402
 
 rows_walk = hopper_module("hopper_rows")
 if rows_walk is None:
@@ -80,14 +80,19 @@ def test_row_walk_matches_twin(dtype, hkv, d, chunk, items, sms, dynamic):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("batch", [96, 20], ids=["beside-128-row-products", "after-32-row-products"])
-def test_decode_step_with_the_row_walk(dtype, batch, monkeypatch):
+@pytest.mark.parametrize("batch,heads,shared,own,merges", [
+    (96, 8, 512, 188, False), (20, 8, 512, 188, False), (32, 32, 512, 188, True), (40, 4, 4096, 40, True)],
+    ids=["beside-128-row-products", "after-32-row-products", "after-merging", "after-merging-many-partials"])
+def test_decode_step_with_the_row_walk(dtype, batch, heads, shared, own, merges, monkeypatch):
     """A decode step of G 1 over an fp8 cache: paged (narrow units only) and relay (96
-    sequences under a shared prefix: 128-row wide units beside; 20: 32-row wide units, which
-    the walk follows on their stream) run the narrow units in the row walk, which writes the
-    new keys (quantized); every step over a 16-bit cache keeps the Triton narrow launch. The
-    same output as with the walk off (within the Triton kernel's 16-bit P), the same cache
-    bytes, and a second run gives the same output (the walk's item counter is back at 0)."""
+    sequences under a shared prefix: 128-row wide units beside; 20-40: 32- and 64-row wide
+    units, which the walk follows on their stream) run the narrow units in the row walk, which
+    writes the new keys (quantized). Where each row's tail is one unit (`merges`: 20 x 8 heads
+    splits the tails) the walk merges its rows with the wide units' partials, more than
+    MERGE_CHUNK of them a row under 4,096 shared keys over 4 heads. Every step over a 16-bit
+    cache keeps the Triton narrow launch. The same output as with the walk off (within the
+    Triton kernel's 16-bit P), the same cache bytes, and a second run gives the same output
+    (the walk's item counter is back at 0)."""
     from prefixserve.attention.backends.paged import PagedBackend
     from prefixserve.attention.backends.relay import RelayBackend
     from prefixserve.attention.ops.triton import kernels as tk
@@ -95,11 +100,12 @@ def test_decode_step_with_the_row_walk(dtype, batch, monkeypatch):
 
     gluon_rows = tk._gluon_rows
     name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
-    row16 = build(Workload("test", batch, 8, 8, 128, 700, (512,), 64, name), DEVICE)
+    context = shared + own
+    row16 = build(Workload("test", batch, heads, heads, 128, context, (shared,), 64, name), DEVICE)
     be = PagedBackend(row16.shape, kernels=tops.TritonKernels(row16.shape))
     be.plan(row16.batch)
     assert not be.current.extra["narrow_walk"]
-    row = build(Workload("test", batch, 8, 8, 128, 700, (512,), 64, name, kv_dtype="fp8"), DEVICE)
+    row = build(Workload("test", batch, heads, heads, 128, context, (shared,), 64, name, kv_dtype="fp8"), DEVICE)
     vmax = row.vmax
     for cls in (PagedBackend, RelayBackend):
         outs, caches = [], []
@@ -108,9 +114,12 @@ def test_decode_step_with_the_row_walk(dtype, batch, monkeypatch):
             be = cls(row.shape, kernels=tops.TritonKernels(row.shape))
             be.plan(row.batch)
             x = be.current.extra
-            after = walk_on and cls is RelayBackend and batch == 20
+            after = walk_on and cls is RelayBackend and batch < 96
             assert x["stores"] and x["narrow_programs"] > 0 and x["narrow_walk"] == walk_on, cls.name
             assert x["narrow_after_wide"] == after, cls.name
+            if after:
+                assert x["fused"] == merges
+                assert not merges or shared < 4096 or int(x["merge_rows"][:, 2].min()) > MERGE_CHUNK
             k_cache, v_cache = row.k_cache.clone(), row.v_cache.clone()
             o = be.run(row.q, row.k, row.v, k_cache, v_cache, kv_scale=row.kv_scale).float()
             again = be.run(row.q, row.k, row.v, row.k_cache.clone(), row.v_cache.clone(), kv_scale=row.kv_scale)

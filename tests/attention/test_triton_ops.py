@@ -260,7 +260,8 @@ def test_launch_shapes_follow_the_kernel_that_runs_the_wide_units(monkeypatch):
 def test_plans_take_the_row_walk_for_fp8_decode_tails(monkeypatch):
     """Where the Gluon row walk runs (made to seem so here), a decode step of G 1 over an fp8
     cache takes its narrow shape: paged (no wide units) and relay over 96 sequences (128-row
-    units) beside the wide launch, relay over 24 (32-row units) after it; a 16-bit cache,
+    units) beside the wide launch, relay over 24 (32-row units) after it, where its units
+    merge their rows (no merge launch); a 16-bit cache,
     prefill rows (the position mask) and G 2 never do. The same output as the twin: on the
     CPU from the Triton kernel in the walk's shape (`hopper_rows.applies` is false there), on
     a Hopper GPU from the walk."""
@@ -290,6 +291,7 @@ def test_plans_take_the_row_walk_for_fp8_decode_tails(monkeypatch):
         if on:
             beside = x["wide_programs"] == 0 or x["wide_block_m"] == 128
             assert backend.kernels.launch_config(x, "narrow") == dataclasses.replace(walk, after_wide=not beside)
+            assert x["fused"] == (not beside and x["direct"] == 0), (cls.name, case.shape)
             args = (case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone())
             o = backend.run(*args, kv_scale=case.kv_scale)
             twin = cls(case.shape, kernels=ops.ReferenceKernels(case.shape))

@@ -30,7 +30,8 @@ each row its own (worklist's `_absorb_keys`), loaded as a [BLOCK_M, D] tile.
 MERGE (the narrow launch of a plan whose narrow units merge: worklist's `fused`): a unit
 (one row) keeps its partial in registers and merges it with the row's other partials
 (scratch rows `others`, written by the wide launch: after `griddepcontrol.wait` when PDL, the
-launch having started beside the wide one, which TRIGGERs its dependents as it starts), in
+launch having started beside the wide one, which TRIGGERs its dependents as it starts; by
+stream order where it runs after it, `after_wide`, as the fp8 row walk does), in
 MERGE_CHUNK partials at a time (one round trip each), writing the final row in o's dtype:
 
     (m, d, acc) = (lse_own, 1, o_own);  per chunk: m' = max(m, max_i lse_i);
@@ -440,7 +441,8 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     assert lse is None or (lse.dtype == torch.float32 and lse.shape == o.shape[:2])
     assert cfg.dynamic == (queue is not None), "a dynamic launch, and only it, takes a queue"
     assert queue is None or (queue.dtype == torch.int32 and queue.shape == (2,))
-    assert merge is None or not (cfg.dynamic or cfg.walk), "a merging launch strides its units"
+    assert merge is None or not cfg.dynamic or (cfg.after_wide and not merge.pdl), \
+        "a merging launch that takes units from a counter runs after the wide one"
     if programs == 0:  # (the narrow class is empty when G > NARROW_ROWS)
         return
     g = hq // hkv
@@ -485,7 +487,7 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         walk = hopper_module("hopper_rows") if cfg.walk else None
         if walk and walk.applies(q, k_cache, cfg.block_n, causal, window):
             walk.launch(q, k_cache, v_cache, units, count, kv_chunk, kv_lo, kv_hi, scale, o, lse, programs,
-                        cfg.block_n, cfg.num_stages, cfg.maxnreg, new_kv, kv_scale, queue)
+                        cfg.block_n, cfg.num_stages, cfg.maxnreg, new_kv, kv_scale, queue, merge)
             return
         hopper = hopper_module() if cfg.hopper else None
         if hopper and hopper.applies(q, k_cache, cfg.block_m, causal, window, slots is not None):
@@ -559,7 +561,8 @@ def launch_worklist(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     it before returning (graph capture records the fork and join). new_kv: as launch_units',
     for the launches that store; window: a sliding layer's; kv_scale: an fp8 cache's. final:
     (o, lse or None) of the final rows, which a merging narrow launch (`Launch.merge`) writes
-    -- after the wide one on the same stream, started beside it by PDL. Returns whether the
+    -- after the wide one on the same stream, started beside it by PDL (unless `after_wide`:
+    then only after it). Returns whether the
     launch after these may start beside them by PDL (`merge_rows(pdl=True)`): on CUDA, where the
     wide launch runs alone, which then triggers its dependents as it starts."""
     idx = (kv_chunk, kv_lo, kv_hi, kv_pos)
@@ -576,7 +579,7 @@ def launch_worklist(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return q.is_cuda
     if narrow.merge is not None:
         assert final is not None and lse is not None, "a merging launch reads the partials"
-        pdl = bool(wide.programs)
+        pdl = bool(wide.programs) and not narrow.cfg.after_wide
         go(wide, trigger=pdl)
         go(narrow, final, Merge(*narrow.merge, o, lse, pdl))
         return False

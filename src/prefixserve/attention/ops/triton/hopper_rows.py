@@ -31,7 +31,11 @@ Tiles: the cache viewed as [chunks * C, Hkv * D]; tile j of entry e: rows kv_chu
 entry's [lo, hi) scores -inf and its V row is zeroed in registers (a where: a stale NaN or inf
 cannot reach the output). STORE as in `attend`: a one-row unit's new key joins the softmax
 from registers after the walk, quantized first as the store launch quantizes it
-(`_quantize`), and is written to its slot.
+(`_quantize`), and is written to its slot. MERGE as in `attend` (the walk after the wide
+launch of units of <= 64 rows, `after_wide`: worklist's `fused`): a one-row unit merges its
+row with the wide units' partials, which stream order makes visible, and writes the final row
+(no merge launch; on an H200 2.1-3.5 us off each of Table 3's fp8 rows with tails:
+kernels-notes.md, issue 25 part sixteen).
 
 Gluon does not run in Triton's interpreter: tested on the GPU against the twin
 (tests/attention/test_hopper_rows.py); CI tests the twin and the Triton kernel.
@@ -46,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..reference import FP8
+from .attend import MERGE_CHUNK, Merge
 from .hopper import _K_INV, _K_SCALE, _V_INV, _V_SCALE, _bounds, _quantize
 
 KL = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0]))  # [BLOCK_N, D] over 1 warp
@@ -102,11 +107,12 @@ def _issue(k_desc, v_desc, k_bufs, v_bufs, ready, kv_chunk, e0, j, col, slot, ch
 
 @gluon.jit
 def _rows_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o, lse,
-                 k_cache, v_cache, k_new, v_new, slots, kv_scale, queue, stride_qt, stride_ot,
-                 stride_lt, stride_kt, stride_vt, scale_log2, chunk_size,
-                 HKV: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 TPE: gl.constexpr, STAGES: gl.constexpr, WRITE_LSE: gl.constexpr,
-                 STORE: gl.constexpr, DYNAMIC: gl.constexpr):
+                 k_cache, v_cache, k_new, v_new, slots, kv_scale, queue, fused, others, o_parts,
+                 lse_parts, stride_qt, stride_ot, stride_lt, stride_kt, stride_vt, stride_pt,
+                 stride_lp, scale_log2, chunk_size, HKV: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 BLOCK_N: gl.constexpr, TPE: gl.constexpr, STAGES: gl.constexpr,
+                 WRITE_LSE: gl.constexpr, STORE: gl.constexpr, DYNAMIC: gl.constexpr,
+                 MERGE: gl.constexpr, CHUNK: gl.constexpr):
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -195,13 +201,18 @@ def _rows_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
                     dst = gl.load(slots + t) * (HKV * HEAD_DIM) + h * HEAD_DIM + c
                     gl.store(k_cache + dst, kc)
                     gl.store(v_cache + dst, vc)
-            out = gl.load(units + u * 6 + 4).to(gl.int64) + r
             seen = l_i > 0.0
             o_row = acc / gl.where(seen, l_i, 1.0) * gl.load(kv_scale + _V_SCALE * HKV + h)
+            ln_l = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453,
+                            float("-inf"))  # x ln 2
+            out = gl.load(units + u * 6 + 4).to(gl.int64) + r
+            if MERGE:  # (a one-row unit) the final row, its other partials, then (o, lse) of it
+                out = gl.load(fused + u * 3).to(gl.int64)
+                o_row, ln_l = _merge_row(o_row, ln_l, gl.load(fused + u * 3 + 1), gl.load(fused + u * 3 + 2),
+                                         others, o_parts, lse_parts, stride_pt, stride_lp, h, c, HEAD_DIM, CHUNK)
             gl.store(o + out * stride_ot + h * HEAD_DIM + c, o_row.to(o.dtype.element_ty))
             if WRITE_LSE:
-                ln_l = (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453  # x ln 2
-                gl.store(lse + out * stride_lt + h, gl.where(seen, ln_l, float("-inf")))
+                gl.store(lse + out * stride_lt + h, ln_l)
         if pw == w:  # the producer had not moved on: the next item starts its ring tiles
             pw, taken, p_e0, p_row, p_n = _next_item(queue, units, pid, taken, num_work, HKV, TPE, DYNAMIC)
             pj = 0
@@ -213,14 +224,44 @@ def _rows_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
             gl.store(queue + 1, 0)
 
 
+@gluon.jit
+def _merge_row(o_row, lse_row, first, count, others, o_parts, lse_parts, stride_pt, stride_lp, h, c,
+               HEAD_DIM: gl.constexpr, CHUNK: gl.constexpr):
+    """(o, lse) of a row whose own partial is (o_row [D] fp32, lse_row) and whose other
+    partials are scratch rows others[first:][:count] at head h (the wide launch's, which ended
+    before this launch began), CHUNK at a time: `attend._merge_row`'s arithmetic."""
+    k = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, KL))
+    m = lse_row
+    acc = o_row  # 0 where it saw no key
+    denom = gl.where(m == float("-inf"), 0.0, 1.0)
+    for c0 in range(0, count, CHUNK):
+        ok = c0 + k < count
+        parts = gl.load(others + first + c0 + k, mask=ok, other=0).to(gl.int64)
+        lse_i = gl.load(lse_parts + parts * stride_lp + h, mask=ok, other=float("-inf"))  # [CHUNK]
+        o_i = gl.load(o_parts + parts[:, None] * stride_pt + h * HEAD_DIM + c[None, :], mask=ok[:, None],
+                      other=0.0)  # [CHUNK, D]
+        m_new = gl.maximum(m, gl.max(lse_i, 0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp(m - m_safe)
+        w = gl.exp(lse_i - m_safe)  # 0 where not ok
+        acc = acc * alpha + gl.sum(w[:, None] * o_i, 0)
+        denom = denom * alpha + gl.sum(w, 0)
+        m = m_new
+    seen = denom > 0.0
+    return (acc / gl.where(seen, denom, 1.0),
+            gl.where(seen, m + gl.log(gl.where(seen, denom, 1.0)), float("-inf")))
+
+
 def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
            count: torch.Tensor, kv_chunk: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
            scale: float, o: torch.Tensor, lse: torch.Tensor | None, programs: int, block_n: int,
            stages: int, maxnreg: int, new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-           kv_scale: torch.Tensor | None = None, queue: torch.Tensor | None = None) -> None:
+           kv_scale: torch.Tensor | None = None, queue: torch.Tensor | None = None,
+           merge: Merge | None = None) -> None:
     """`attend.launch_units` for a narrow launch that `applies`: the first count[0] units on a
     persistent grid of `programs` one-warp CTAs, tiles of `block_n` keys in a `stages`-deep
-    ring, at most `maxnreg` registers a thread."""
+    ring, at most `maxnreg` registers a thread. merge: its units merge their rows (o, lse:
+    the final rows), after the wide launch (not by PDL)."""
     n_chunks, chunk_size, hkv, d = k_cache.shape
     assert k_cache.dtype == FP8 and kv_scale is not None
     layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.float8e4nv)
@@ -229,11 +270,16 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
     k_new, v_new, slots = new_kv or (q, q, units)
     assert q.stride(-1) == 1 and q.stride(1) == d and o.stride(-1) == 1 and o.stride(1) == d
     assert k_new.stride(-1) == 1 and k_new.stride(1) == d and v_new.stride(-1) == 1 and v_new.stride(1) == d
+    if merge is not None:
+        assert not merge.pdl and merge.o_parts.stride(1) == d and merge.o_parts.stride(-1) == 1
+    fused, others, o_parts, lse_parts = ((merge.rows, merge.others, merge.o_parts, merge.lse_parts)
+                                         if merge else (units, units, o, o))
     _rows_kernel[(programs,)](
         q, units, count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o, o if lse is None else lse,
         k_cache, v_cache, k_new, v_new, slots, kv_scale,
-        o if queue is None else queue, q.stride(0),
+        o if queue is None else queue, fused, others, o_parts, lse_parts, q.stride(0),
         o.stride(0), 0 if lse is None else lse.stride(0), k_new.stride(0), v_new.stride(0),
-        scale * 1.4426950408889634, chunk_size, HKV=hkv, HEAD_DIM=d, BLOCK_N=block_n,
-        TPE=chunk_size // block_n, STAGES=stages, WRITE_LSE=lse is not None, STORE=new_kv is not None,
-        DYNAMIC=queue is not None, num_warps=1, maxnreg=maxnreg)
+        o_parts.stride(0), lse_parts.stride(0), scale * 1.4426950408889634, chunk_size, HKV=hkv,
+        HEAD_DIM=d, BLOCK_N=block_n, TPE=chunk_size // block_n, STAGES=stages,
+        WRITE_LSE=lse is not None, STORE=new_kv is not None, DYNAMIC=queue is not None,
+        MERGE=merge is not None, CHUNK=MERGE_CHUNK, num_warps=1, maxnreg=maxnreg)

@@ -61,9 +61,10 @@ merges the row: it keeps its own partial in registers, waits for the wide launch
 `griddepcontrol.wait` orders the reads), and reads the row's other partials (`others`, in the
 merge's order) -- no merge launch, no second stream. Rows with no partial (a CUDA graph's
 padding) get a unit with no keys, which writes their zeros. Not where the narrow launch takes
-units from a counter or is the row walk (beside the 128-row products: a unit waiting for their
+units from a counter beside the products (beside the 128-row ones: a unit waiting for their
 end would hold its program's room while units are left to walk, and the tails would stop
-streaming under them).
+streaming under them); where it runs after them (`after_wide`: the row walk after units of <=
+64 rows) it waits for nothing, and stream order orders the reads.
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     runs after it instead (`after_wide`: beside Triton's tiles, which hold the SMs' registers,
     Table 3's rows with tails took 4-15% longer than with the Triton narrow kernel, after them
     1-22% less: issue 25 part fourteen; beside the Gluon CTA over fp8, with room for 2-6 walk
-    CTAs an SM, 12-33% longer than after it: part fifteen). Not
+    CTAs an SM, 12-33% longer than after it: part fifteen; after it, its units merge their rows:
+    `fused`; started early by PDL instead, 10-37% longer: part sixteen). Not
     taken over 16-bit caches (paged decode within 0.6%; the engine's 1,024 x 16K step 1-4%
     slower, though that step's attention launches alone measured 2-13% faster at 9 of 10 tail
     lengths).
@@ -290,8 +292,8 @@ def build_worklist(q_start: npt.ArrayLike, q_len: npt.ArrayLike, out_start: npt.
         row_of = np.repeat(np.arange(len(indptr) - 1), np.diff(indptr))
         indptr, parts = _csr(np.bincount(row_of[keep], minlength=len(indptr) - 1)), parts[keep]
         narrow = narrow[:0]
-    fused = None if configs[0].dynamic or configs[0].walk else _fused_merge(narrow, indptr, parts,
-                                                                               num_partials)
+    beside = configs[0].dynamic and not configs[0].after_wide
+    fused = None if beside else _fused_merge(narrow, indptr, parts, num_partials)
     if fused is None:
         return WorkList(narrow, wide, num_partials, indptr, parts, direct=False, causal=causal,
                         stores=stores)
