@@ -30,10 +30,37 @@ from prefixserve.attention.ops.triton.attend import GLUON_TRITON, hopper_module 
 hopper = hopper_module()
 if hopper is None:
     pytest.skip(f"the Gluon kernel is tested on Triton {GLUON_TRITON} only", allow_module_level=True)
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+
 from prefixserve.attention.ops.triton.worklist import NARROW_REGS_BESIDE_GLUON, KernelConfig  # noqa: E402
 
 U = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 NARROW = KernelConfig(16, 64, num_warps=2)
+
+
+@gluon.jit
+def _quantize_kernel(x, inv, y, BLOCK: gl.constexpr):
+    """y[i] = hopper._quantize(x[i], inv[0]), BLOCK values a program."""
+    i = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=gl.BlockedLayout([4], [32], [4], [0]))
+    gl.store(y + i, hopper._quantize(gl.load(x + i), gl.load(inv)))
+
+
+@pytest.mark.parametrize("inv", [1.0, 2.0**-3, 2.0**5])
+def test_quantize_matches_the_reference_bit_for_bit(inv):
+    """The Gluon kernels' e4m3 quantization of new keys (`hopper._quantize`) against
+    `reference.quantize`, as the cache's bytes: every fp16 value but NaN (all of e4m3's
+    ties, its subnormals' ties, +-0, +-inf, saturation) x a power-of-two inverse scale, and
+    random fp32 values that no fp16 holds."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    rand = torch.randn(2**16, generator=torch.Generator().manual_seed(7)) * 40
+    x = torch.cat([every[~every.isnan()], rand])
+    x = torch.cat([x, torch.zeros(-x.numel() % 512)]).to(DEVICE)  # whole programs
+    scale = torch.tensor([inv], device=DEVICE)
+    y = torch.empty(x.shape, dtype=reference.FP8, device=DEVICE)
+    _quantize_kernel[(x.numel() // 512,)](x, scale, y, BLOCK=512, num_warps=4)
+    ref = reference.quantize(x[:, None, None].cpu(), scale.cpu())[:, 0, 0]
+    assert torch.equal(y.cpu().view(torch.uint8), ref.view(torch.uint8))
 
 
 def shared_items(seed: int, dtype: torch.dtype, hkv: int, g: int, d: int, chunk: int,
