@@ -256,7 +256,8 @@ def _rows_partition(q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem, 
                     s_own = _own_keys(q_smem, kt, vt, dst, new_kv, t <= -2, q_len, sl2, WG, G,
                                       HEAD_DIM, BLOCK_N)
             acc, m_i, l_i = _walk(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, kv_lo, kv_hi,
-                                  e0, num_tiles, it, sl2, q_smem.dtype, HEAD_DIM, BLOCK_N, TPE)
+                                  e0, num_tiles, it, sl2, q_smem.dtype, HEAD_DIM, BLOCK_N, TPE,
+                                  not HOLD)
             if STORE:
                 if not HOLD:
                     kt, vt, dst = _own_loads(new_kv, t <= -2, q_len, -2 - t, h, WG, HKV, G, HEAD_DIM,
@@ -349,11 +350,11 @@ def _own_join(acc, m_i, l_i, s, vt, HEAD_DIM: gl.constexpr):
 @gluon.jit
 def _walk(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, kv_lo, kv_hi, e0, num_tiles, it,
           scale_log2, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-          TPE: gl.constexpr):
+          TPE: gl.constexpr, FULL_SKIP: gl.constexpr):
     """The unit's tiles it, it + 1, ... (num_tiles of them) into (acc [64, D] unnormalized,
     m_i, l_i [64]: running max and sum, base 2), releasing each stage once read. Software-
     pipelined as FlashAttention-3 within a warpgroup: the scores and softmax of tile j + 1 run
-    while tile j's P V is on the tensor cores."""
+    while tile j's P V is on the tensor cores. FULL_SKIP: `_softmax`'s."""
     stages: gl.constexpr = k_bufs.type.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -370,8 +371,8 @@ def _walk(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, kv_lo, kv_hi, e0, num
     if num_tiles > 0:  # (a unit with no entries reads no bounds: e0 may be past the last)
         lo, hi = _bounds(kv_lo, kv_hi, e0, 0, BLOCK_N, TPE)
         sc = _scores(q_smem, k_bufs, k_ready, it, BLOCK_N, s_layout)
-        pv, alpha, m_i, l_i = _softmax(sc, (n >= lo) & (n < hi), m_i, l_i, scale_log2,
-                                       p_layout, dtype)
+        pv, alpha, m_i, l_i = _softmax(sc, n, lo, hi, m_i, l_i, scale_log2, p_layout, dtype,
+                                       FULL_SKIP)
     for j in range(0, num_tiles - 1):
         s = (it + j) % stages
         # the next tile's bounds: loaded before the waits, so that their latency hides
@@ -381,8 +382,8 @@ def _walk(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, kv_lo, kv_hi, e0, num
         v_buf = _ready_v(v_bufs, v_ready, it + j, n_v, lo, hi)
         tok = warpgroup_mma(pv, v_buf, acc, is_async=True)
         sc, _, _ = warpgroup_mma_wait(1, deps=[nxt, q_smem, k_bufs.index((s + 1) % stages)])
-        pv_next, alpha, m_i, l_i = _softmax(sc, (n >= n_lo) & (n < n_hi), m_i, l_i, scale_log2,
-                                            p_layout, dtype)
+        pv_next, alpha, m_i, l_i = _softmax(sc, n, n_lo, n_hi, m_i, l_i, scale_log2, p_layout,
+                                            dtype, FULL_SKIP)
         acc, _, _ = warpgroup_mma_wait(0, deps=[tok, v_buf, pv])
         pv = pv_next
         lo, hi = n_lo, n_hi
@@ -453,11 +454,22 @@ def _scores(q_smem, k_bufs, k_ready, it, BLOCK_N: gl.constexpr, s_layout: gl.con
 
 
 @gluon.jit
-def _softmax(sc, ok, m_i, l_i, scale_log2, p_layout: gl.constexpr, dtype: gl.constexpr):
-    """Online-softmax step of one tile (scores sc [64, BLOCK_N], unscaled; ok [BLOCK_N]:
-    its keys; others score -inf). Returns (P in the 16-bit dtype as the P V product's
-    register operand, alpha: the rescale of the running output, m_i, l_i)."""
-    sc = gl.where(ok[None, :], sc, float("-inf"))
+def _softmax(sc, n, lo, hi, m_i, l_i, scale_log2, p_layout: gl.constexpr, dtype: gl.constexpr,
+             FULL_SKIP: gl.constexpr):
+    """Online-softmax step of one tile (scores sc [64, BLOCK_N], unscaled; its keys are the
+    slots n [BLOCK_N] in [lo, hi), the others score -inf). Returns (P in the 16-bit dtype as
+    the P V product's register operand, alpha: the rescale of the running output, m_i, l_i).
+    FULL_SKIP: a tile whose slots are all keys (most of them) skips the select, which leaves
+    such a tile's scores as they are: the output is bit-identical either way. With two row
+    warpgroups that took 2-6% off the Hydragen grid's FLOP-bound steps (the launch alone up to
+    12%); with one, the branch made Table 3's all-shared steps 2-3% slower, so it selects on
+    every tile there (kernels-notes.md, issue 25 part eighteen)."""
+    BLOCK_N: gl.constexpr = sc.shape[1]
+    if FULL_SKIP:
+        if (lo > 0) | (hi < BLOCK_N):
+            sc = gl.where(((n >= lo) & (n < hi))[None, :], sc, float("-inf"))
+    else:
+        sc = gl.where(((n >= lo) & (n < hi))[None, :], sc, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(sc, 1) * scale_log2)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp2 finite
     p = gl.exp2(sc * scale_log2 - m_safe[:, None])
