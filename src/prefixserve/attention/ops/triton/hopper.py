@@ -35,7 +35,8 @@ Measurements and what was tried: benchmarks/kernels-notes.md, issue 25 parts two
 Tiles: the cache is viewed as [chunks * C, Hkv * D]; tile j of entry e is rows
 kv_chunk[e] * C + (j % TPE) * BLOCK_N, + BLOCK_N (TPE = C // BLOCK_N tiles per entry, so a
 tile never leaves its chunk), columns h * D, + D. A slot outside the entry's [lo, hi) scores
--inf (a where, not an add: a stale NaN or inf in a slot cannot leak into a score), and such
+-inf (a where, not an add: a stale NaN or inf in a slot cannot leak into a score; with two row
+warpgroups only in tiles that hold such slots, `_softmax`), and such
 slots' V rows are zeroed in shared memory before the product (0 * inf would be NaN) -- only
 in tiles that hold such slots.
 
