@@ -462,9 +462,10 @@ def _softmax(sc, n, lo, hi, m_i, l_i, scale_log2, p_layout: gl.constexpr, dtype:
     the P V product's register operand, alpha: the rescale of the running output, m_i, l_i).
     FULL_SKIP: a tile whose slots are all keys (most of them) skips the select, which leaves
     such a tile's scores as they are: the output is bit-identical either way. With two row
-    warpgroups that took 2-6% off the Hydragen grid's FLOP-bound steps (the launch alone up to
-    12%); with one, the branch made Table 3's all-shared steps 2-3% slower, so it selects on
-    every tile there (kernels-notes.md, issue 25 part eighteen)."""
+    warpgroups that took 2-5% off three of the Hydragen grid's four FLOP-bound steps in every
+    pass (the fourth: -8.5%, +3.5%, -6.3%; the launch alone up to 12%); with one, the branch
+    made Table 3's 2,048-key all-shared step 2-4% slower in every pass, so it selects on every
+    tile there (kernels-notes.md, issue 25 part eighteen)."""
     BLOCK_N: gl.constexpr = sc.shape[1]
     if FULL_SKIP:
         if (lo > 0) | (hi < BLOCK_N):
