@@ -448,10 +448,12 @@ def test_a_lone_shared_item_is_split_to_fill_the_sms():
 
 def test_splits_only_where_they_end_the_launch_sooner():
     # one shared item (1,024 sequences x G 4, 256 chunks) + 1,024 one-chunk tails, 8 KV heads,
-    # 132 SMs: the 32 row blocks x 8 heads already fill the 264 wide programs once; splitting
-    # would only add partials. At 256 sequences (8 row blocks) the item is split to fill them.
-    configs = choose_configs(4096, 128, 2)
-    for n, wide_units in ((1024, 32), (256, 64)):
+    # 132 SMs: the 32 row blocks x 8 heads already fill the wide grid (Triton's 264 programs,
+    # Gluon's 132 CTAs) once; splitting would only add partials. At 256 sequences (8 row
+    # blocks) the item is split into as many splits as fill one wave: 4 on Triton's grid, 2 on
+    # Gluon's (3, the balanced share's rounding, or 8, would take two waves or add partials)
+    for gluon, n, wide_units in ((False, 1024, 32), (False, 256, 32), (True, 1024, 32), (True, 256, 16)):
+        configs = choose_configs(4096, 128, 2, gluon=gluon)
         q_len = np.r_[n, np.ones(n, int)]
         kv_indptr = np.r_[0, np.cumsum(np.r_[256, np.ones(n, int)])]
         wl = build_worklist(np.r_[0, np.arange(n)], q_len, np.r_[0, n + np.arange(n)], kv_indptr,
@@ -463,9 +465,10 @@ def test_splits_only_where_they_end_the_launch_sooner():
 def test_narrow_launch_shapes_beside_the_gluon_kernel_and_over_fp8():
     # 128-row wide launches on the Gluon kernel: the narrow launch fits beside its CTA (capped
     # registers, units from a counter); at 32 rows (Table 3, one row warpgroup) it keeps its
-    # shape, and the wide launch's splits target the kernel's one CTA an SM
+    # shape; the wide launch's splits target the kernel's one CTA an SM at either size
     narrow, wide = choose_configs(4096, 128, 2, gluon=True)
     assert wide.block_m == 128 and narrow.dynamic and narrow.maxnreg == NARROW_REGS_BESIDE_GLUON
+    assert wide.programs_per_sm == 1
     (narrow, wide), (narrow_triton, wide_triton) = (choose_configs(32, 128, 2, gluon=g) for g in (True, False))
     assert narrow == narrow_triton and wide.block_m == wide_triton.block_m == 32
     assert (wide.programs_per_sm, wide_triton.programs_per_sm) == (1, 4)

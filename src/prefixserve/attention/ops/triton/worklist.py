@@ -18,16 +18,21 @@ it (kernels-notes.md, issue 25 part six).
 
 Load balance (split-K, as FlashDecoding / FlashInfer's scheduler do): the cost of a program
 is its number of key tiles (block_n keys). A launch's grid holds `programs_per_sm` programs
-per SM (what stays resident: 2 for 128-row wide tiles), each taking every P-th work item,
-longest first. Items are cut into splits of at most a cap of tiles; the caps tried are none
-and a balanced share of 1-4 waves of the grid, and the cap whose busiest program has the
-fewest tiles wins (ties: fewer splits). A one-level shared prefix at b1024 is 256 equal work
-items on 264 programs: splitting cannot end it sooner, and it stays whole (its 3 splits had
-cost 1-3.5% on an H200, in partials written and merged). A split costs its rows' fp32
-partials (written, then read by the merge launch), so an item is never cut into splits
-shorter than 8x that cost (nor than 4 tiles). Unless that leaves a class with
-fewer programs than SMs: then each program is a serial chain of tile loads on an idle GPU,
-and items are cut to about one program per SM (splits of at least 2 tiles).
+per SM (what stays resident: 2 for Triton's 128-row wide tiles, 1 Gluon CTA), each taking
+every P-th work item, longest first. Items are cut into splits of at most a cap of tiles; the
+caps tried are none, a balanced share of 1-4 waves of the grid, and the longest item cut into
+as many splits as let the unsplit items' units fill 1-4 waves (for equal items: whole waves,
+which the balanced share's rounding can overrun: b256 x 16K shared keys, 64 items on 132
+CTAs, is 2 splits in one wave, where the share's 3 took two waves), and the cap whose busiest
+program has the fewest tiles wins (ties: fewer splits). A one-level shared prefix at b1024 is
+256 equal work items on 264 programs: splitting cannot end it sooner, and it stays whole (its
+3 splits had cost 1-3.5% on an H200, in partials written and merged). A split costs its rows'
+fp32 partials (written, then read by the merge launch), so an item is never cut into splits
+shorter than 8x that cost (nor than 4 tiles). Unless that leaves a class with fewer programs
+than SMs: then each program is a serial chain of tile loads on an idle GPU, and items are
+cut to about one program per SM (splits of at least 2 tiles), where that ends the launch
+sooner on its grid. (The whole-wave caps took 4-11% off the Gluon launch's b256 steps over 8K
+and 16K shared keys on an H200, 4-6% off Triton's over 16K: issue 25 part nineteen.)
 
 New keys (decode). In a step where every row reads only keys at or before its own position,
 each row's newest key (the one this step's store writes) is read by one unit alone: the last
@@ -119,15 +124,17 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     power of two (Table 3's 32 rows), as a tile's padding rows cost full products. A 128-row
     program's registers leave room for 2 per SM: its grid targets those 2.
     gluon: the step's wide launch runs the Gluon kernel (`hopper.applies`: a decode step
-    whose wide units store no new key), one CTA an SM. At 128 rows it leaves each SM
-    sub-partition room for one warp of NARROW_REGS_BESIDE_GLUON registers (`hopper.MAXNREG`);
-    the narrow launch then fits beside it, so that the tails stream while the products run:
+    whose wide units store no new key), one CTA an SM, which its splits target (at 128 rows
+    too: targeting Triton's 2 an SM, b256 x 8K / 16K shared keys took 4 / 8 splits where 2 end
+    as soon; with 2 the steps were 4-11% shorter on an H200, issue 25 part nineteen). At 128
+    rows it leaves each SM sub-partition room for one warp of NARROW_REGS_BESIDE_GLUON
+    registers (`hopper.MAXNREG`); the narrow launch then fits beside it, so that the tails stream while the products run:
     that many registers a thread, half the keys a tile (2-warp programs, 2 an SM beside the
     CTA), units taken as programs free up (`dynamic`: programs that wait for room find the
     rest), 8 an SM once the products end. On an H200 it took 2.5-7% off every Hydragen-grid
-    row (kernels-notes.md, issue 25 part six). Fewer rows (one row warpgroup): its grid and
-    splits target its one CTA an SM, and the narrow launch keeps its own shape (the shape
-    beside the 128-row CTA made Table 3's rows with tails 13-24% slower). On an H200: Table
+    row (kernels-notes.md, issue 25 part six). Fewer rows (one row warpgroup): the narrow
+    launch keeps its own shape (the shape beside the 128-row CTA made Table 3's rows with
+    tails 13-24% slower). On an H200: Table
     3's all-shared rows 2-20% faster, the rows with tails within +-1.5% (issue 25 part eight).
     fp8: an fp8 cache's narrow tiles are half the bytes, so a program's one tile in flight
     (2 stages) hides less of the latency: 5 stages put two in flight (the walk's index loads
@@ -167,7 +174,7 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
         narrow = KernelConfig(NARROW_ROWS, block_n // 2, num_warps=2, programs_per_sm=8,
                               maxnreg=NARROW_REGS_BESIDE_GLUON, dynamic=True)
     return (narrow, KernelConfig(wide_m, block_n, num_stages=2 if wide_m == 128 else 5 if fp8 else 3,
-                                 programs_per_sm=2 if wide_m == 128 else 1 if gluon else 4))
+                                 programs_per_sm=1 if gluon else 2 if wide_m == 128 else 4))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,12 +209,15 @@ def _splits(q_len: np.ndarray, num_entries: np.ndarray, cfg: KernelConfig, group
     # one split's partials (its used rows x G heads x D fp32, written + read) in K/V tiles
     overhead = np.minimum(q_len, rows) * group * 2 * _PARTIAL_BYTES / (2 * cfg.block_n * itemsize)
     floor = np.ceil(8 * overhead).astype(np.int64)
-    # split caps (tiles per split): none, or a balanced share of k waves of the grid; keep
-    # the one that ends the launch first (ties: fewer work items, so fewer partials)
+    # split caps (tiles per split): none, a balanced share of k waves of the grid, or the
+    # longest item's tiles over the splits that let the unsplit units fill k waves; keep the
+    # one that ends the launch first (ties: fewer work items, so fewer partials)
     best: tuple[tuple[int, int], np.ndarray] | None = None  # (makespan, units), splits
     tried: set[bytes] = set()
-    caps = [max(4, -(-total // (k * programs))) for k in (1, 2, 3, 4)]
-    for cap in [int(tiles.max(initial=1))] + caps:
+    longest, unsplit = int(tiles.max(initial=1)), int(blocks.sum()) * num_kv_heads
+    caps = ([max(4, -(-total // (k * programs))) for k in (1, 2, 3, 4)]
+            + [max(4, -(-longest // max(1, k * programs // max(1, unsplit)))) for k in (1, 2, 3, 4)])
+    for cap in [longest] + caps:
         splits = -(-tiles // np.maximum(cap, floor))
         if splits.tobytes() in tried:  # caps often agree (short tails: all unsplit)
             continue
@@ -217,12 +227,14 @@ def _splits(q_len: np.ndarray, num_entries: np.ndarray, cfg: KernelConfig, group
         if best is None or key < best[0]:
             best = (key, splits)
     assert best is not None  # the first cap is always tried
-    num_splits = best[1]
-    if int((blocks * num_splits).sum()) * num_kv_heads < num_sms:
+    (makespan, units), num_splits = best
+    if units * num_kv_heads < num_sms:
         # too few programs to fill the SMs: the step is latency-bound (a serial chain of tile
-        # loads per program), not bound by the partials' bytes; split to about one per SM
-        sm_cap = np.full_like(tiles, max(2, -(-total // num_sms)))
-        num_splits = -(-tiles // sm_cap)
+        # loads per program), not bound by the partials' bytes; split to about one per SM,
+        # unless that takes more waves of the grid (128 units on 132 CTAs: 192)
+        sm_splits = -(-tiles // np.full_like(tiles, max(2, -(-total // num_sms))))
+        if _makespan(-(-tiles // sm_splits), blocks * sm_splits * num_kv_heads, programs) < makespan:
+            num_splits = sm_splits
     tiles_per_split = -(-tiles // np.maximum(num_splits, 1))
     per_entry = max(1, cfg.block_n // chunk_pad)  # entries per tile when a tile spans chunks
     entries = np.maximum(1, -(-tiles_per_split * cfg.block_n // chunk_pad))
