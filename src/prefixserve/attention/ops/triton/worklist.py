@@ -25,8 +25,9 @@ as many splits as let the unsplit items' units fill 1-4 waves (for equal items: 
 which the balanced share's rounding can overrun: b256 x 16K shared keys, 64 items on 132
 CTAs, is 2 splits in one wave, where the share's 3 took two waves), and the cap whose busiest
 program has the fewest tiles wins (ties: fewer splits). A one-level shared prefix at b1024 is
-256 equal work items on 264 programs: splitting cannot end it sooner, and it stays whole (its
-3 splits had cost 1-3.5% on an H200, in partials written and merged). A split costs its rows'
+256 equal work items on 264 Triton programs or two waves of 132 Gluon CTAs: splitting cannot
+end it sooner, and it stays whole (its 3 splits had cost 1-3.5% on an H200, in partials
+written and merged). A split costs its rows'
 fp32 partials (written, then read by the merge launch), so an item is never cut into splits
 shorter than 8x that cost (nor than 4 tiles). Unless that leaves a class with fewer programs
 than SMs: then each program is a serial chain of tile loads on an idle GPU, and items are
