@@ -271,8 +271,9 @@ def _warmup(llm, wl: W.Workload) -> None:
     deterministic mode, with two GEMM shapes and more attention ones, it cost seconds). Three
     tokens, two decode steps: after a prompt of whole chunks the first one's new keys sit
     alone under it (the wide units store them), and the second is the first whose rows read
-    a tail of their own (the narrow units do) -- another variant of both attend kernels. With two, the first config of
-    a run compiled it while timed: on an H200, 1,024 x 16K samples, ~3 s of its 8 s decode."""
+    a tail of their own (the narrow units do) -- another variant of both attend kernels. With
+    two, the first config of a run compiled it while timed: on an H200, 1,024 x 16K samples,
+    ~3 s of its 8 s decode."""
     vocab = llm.engine.vocab_size
     prompts = [[(t + _WARMUP_SHIFT) % vocab for t in p] for p in wl.prompts[:64]]
     params = [dataclasses.replace(p, max_tokens=3, n=min(p.n, 160)) for p in wl.params[:64]]

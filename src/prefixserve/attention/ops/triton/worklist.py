@@ -27,13 +27,13 @@ CTAs, is 2 splits in one wave, where the share's 3 took two waves), and the cap 
 program has the fewest tiles wins (ties: fewer splits). A one-level shared prefix at b1024 is
 256 equal work items on 264 Triton programs or two waves of 132 Gluon CTAs: splitting cannot
 end it sooner, and it stays whole (its 3 splits had cost 1-3.5% on an H200, in partials
-written and merged). A split costs its rows'
-fp32 partials (written, then read by the merge launch), so an item is never cut into splits
-shorter than 8x that cost (nor than 4 tiles). Unless that leaves a class with fewer programs
-than SMs: then each program is a serial chain of tile loads on an idle GPU, and items are
-cut to about one program per SM (splits of at least 2 tiles), where that ends the launch
-sooner on its grid. (The whole-wave caps took 4-11% off the Gluon launch's b256 steps over 8K
-and 16K shared keys on an H200, 4-6% off Triton's over 16K: issue 25 part nineteen.)
+written and merged). A split costs its rows' fp32 partials (written, then read by the merge
+launch), so an item is never cut into splits shorter than 8x that cost (nor than 4 tiles).
+Unless that leaves a class with fewer programs than SMs: then each program is a serial chain
+of tile loads on an idle GPU, and items are cut to about one program per SM (splits of at
+least 2 tiles), where that ends the launch sooner on its grid. (The whole-wave caps took
+4-11% off the Gluon launch's b256 steps over 8K and 16K shared keys on an H200, 4-6% off
+Triton's over 16K: issue 25 part nineteen.)
 
 New keys (decode). In a step where every row reads only keys at or before its own position,
 each row's newest key (the one this step's store writes) is read by one unit alone: the last
@@ -129,14 +129,14 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     too: targeting Triton's 2 an SM, b256 x 8K / 16K shared keys took 4 / 8 splits where 2 end
     as soon; with 2 the steps were 4-11% shorter on an H200, issue 25 part nineteen). At 128
     rows it leaves each SM sub-partition room for one warp of NARROW_REGS_BESIDE_GLUON
-    registers (`hopper.MAXNREG`); the narrow launch then fits beside it, so that the tails stream while the products run:
-    that many registers a thread, half the keys a tile (2-warp programs, 2 an SM beside the
-    CTA), units taken as programs free up (`dynamic`: programs that wait for room find the
-    rest), 8 an SM once the products end. On an H200 it took 2.5-7% off every Hydragen-grid
-    row (kernels-notes.md, issue 25 part six). Fewer rows (one row warpgroup): the narrow
-    launch keeps its own shape (the shape beside the 128-row CTA made Table 3's rows with
-    tails 13-24% slower). On an H200: Table
-    3's all-shared rows 2-20% faster, the rows with tails within +-1.5% (issue 25 part eight).
+    registers (`hopper.MAXNREG`); the narrow launch then fits beside it, so that the tails
+    stream while the products run: that many registers a thread, half the keys a tile (2-warp
+    programs, 2 an SM beside the CTA), units taken as programs free up (`dynamic`: programs
+    that wait for room find the rest), 8 an SM once the products end. On an H200 it took
+    2.5-7% off every Hydragen-grid row (kernels-notes.md, issue 25 part six). Fewer rows (one
+    row warpgroup): the narrow launch keeps its own shape (the shape beside the 128-row CTA
+    made Table 3's rows with tails 13-24% slower). On an H200: Table 3's all-shared rows
+    2-20% faster, the rows with tails within +-1.5% (issue 25 part eight).
     fp8: an fp8 cache's narrow tiles are half the bytes, so a program's one tile in flight
     (2 stages) hides less of the latency: 5 stages put two in flight (the walk's index loads
     take the first stages), at half the keys a tile. On an H200: Table 3's fp8 rows with
