@@ -266,3 +266,43 @@ def test_decode_step_with_gluon_wide_units(dtype, batch, kv_heads, block_m):
     for name_, o in outs.items():
         assert not o.isnan().any(), name_
         assert (o - outs["paged"]).abs().max() <= 4 * U[dtype] * vmax, name_
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph-grid"])
+def test_decode_step_with_the_wide_launch_on_fewer_sms(padded, monkeypatch):
+    """Tails long enough to outlast the products (96 sequences x G 4 under 512 shared keys,
+    2,048 keys of their own): relay's plan leaves SMs to the narrow launch (`worklist._wide_sms`).
+    Eager, the wide grid is that many CTAs; in a graph's plan (padded rows) the grid stays one
+    CTA an SM and count[1] of them, spread over it, take units (`hopper._items`). Both agree
+    with the plan on every SM and with paged; padding rows are zeros."""
+    from prefixserve.attention.backends.paged import PagedBackend
+    from prefixserve.attention.backends.relay import RelayBackend
+    from prefixserve.attention.base import PaddedRows
+    from prefixserve.attention.ops.triton import worklist
+    from prefixserve.bench.kernels.rows import Workload, build
+
+    row = build(Workload("test", 96, 16, 4, 128, 2560, (512,), 64, "float16", groups=4), DEVICE)
+    batch, q, k, v = row.batch, row.q, row.k, row.v
+    k_cache, v_cache = (torch.cat([c, torch.zeros_like(c[:1])]) for c in (row.k_cache, row.v_cache))
+    if padded:
+        pad_slot = row.k_cache.shape[0] * row.k_cache.shape[1]
+        batch = dataclasses.replace(batch, padded=PaddedRows(batch.num_tokens + 5, pad_slot))
+        q, k, v = (torch.cat([x, torch.randn(5, *x.shape[1:], device=DEVICE).to(x.dtype)]) for x in (q, k, v))
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    outs = {}
+    for label, cls, keep_all in (("fewer", RelayBackend, False), ("all", RelayBackend, True),
+                                 ("paged", PagedBackend, False)):
+        if keep_all:
+            monkeypatch.setattr(worklist, "_wide_sms", lambda *args: args[7])
+        be = cls(row.shape, kernels=tops.TritonKernels(row.shape))
+        be.plan(batch)
+        x = be.current.extra
+        if label == "fewer":
+            takers = int(x["unit_counts"][3])
+            assert 0 < takers < sms and x["wide_programs"] == (sms if padded else takers)
+        outs[label] = be.run(q, k, v, k_cache.clone(), v_cache.clone()).float()
+        assert not outs[label].isnan().any(), label
+    t = row.batch.num_tokens
+    assert not outs["fewer"][t:].any()
+    for label in ("fewer", "all"):
+        assert (outs[label][:t] - outs["paged"][:t]).abs().max() <= 4 * U[torch.float16] * row.vmax, label

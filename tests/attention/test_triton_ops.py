@@ -462,6 +462,26 @@ def test_splits_only_where_they_end_the_launch_sooner():
         assert len(wl.wide) == wide_units and len(wl.narrow) == n
 
 
+def test_the_wide_launch_leaves_sms_to_tails_that_outlast_it():
+    # Gluon's 128-row CTAs beside the narrow launch, 132 SMs, G 4, 8 KV heads: a shared item of
+    # n sequences x 128 or 256 chunks and a tail of t chunks each. Where the tails' bytes
+    # outlast the products, the wide units are balanced over fewer SMs (whole waves of their
+    # row blocks), the rest streaming tails at full width; where they do not, or on Triton's
+    # grid (2 programs an SM, no narrow program beside them), over all
+    for gluon, n, shared, tail, sms, blocks in ((True, 256, 128, 8, 64, 8), (True, 1024, 256, 8, 86, 32),
+                                                 (True, 256, 128, 2, 132, 16), (True, 1024, 256, 2, 132, 32),
+                                                 (False, 256, 128, 8, 132, 32)):
+        configs = choose_configs(4096, 128, 2, gluon=gluon)
+        q_len = np.r_[n, np.ones(n, int)]
+        kv_indptr = np.r_[0, np.cumsum(np.r_[shared, np.full(n, tail)])]
+        wl = build_worklist(np.r_[0, np.arange(n)], q_len, np.r_[0, n + np.arange(n)], kv_indptr,
+                            n, None, None, configs, group=4, num_kv_heads=8, chunk_size=64,
+                            itemsize=2, num_sms=132)
+        assert (wl.wide_sms, len(wl.wide)) == (sms, blocks), (gluon, n, shared, tail)
+        # every row block (32 sequences x G 4) takes the shared entries once, whatever the splits
+        assert (wl.wide[:, 3] - wl.wide[:, 2]).sum() == shared * n // 32, (gluon, n)
+
+
 def test_narrow_launch_shapes_beside_the_gluon_kernel_and_over_fp8():
     # 128-row wide launches on the Gluon kernel: the narrow launch fits beside its CTA (capped
     # registers, units from a counter); at 32 rows (Table 3, one row warpgroup) it keeps its

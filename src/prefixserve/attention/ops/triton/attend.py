@@ -416,16 +416,17 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  new_kv: NewKV | None = None, window: int | None = None,
                  kv_scale: torch.Tensor | None = None, queue: torch.Tensor | None = None,
                  merge: Merge | None = None, trigger: bool = False) -> None:
-    """Run the first count[0] units of `units` ([>= count, 6] int32, see worklist; count: [1]
+    """Run the first count[0] units of `units` ([>= count, 6] int32, see worklist; count: [2]
     int32 on the device, so a CUDA graph replays any number) on a persistent grid of
-    `programs` programs, into o [*, Hq, D] (any float dtype) and, unless lse is None, lse
-    [*, Hq] fp32 at the units' out rows. causal=False promises that every row sees every key
-    of its units (decode), which drops the position mask. new_kv: (k [T, Hkv, D], v, slots
-    [T] int64) for units that store their row's new key (worklist `stores`). window: a sliding
-    layer's (then every launch masks by position, both bounds); None: none. kv_scale: [4, Hkv]
-    fp32, given iff the cache is fp8. queue: [2] int32 on the device, zero (and zero again
-    after the launch), given iff cfg.dynamic. merge: the units merge their rows (o, lse are
-    then the final rows: see MERGE); trigger: a merging launch follows this one (PDL)."""
+    `programs` programs (in the Gluon wide kernel, count[1] of them: `hopper._items`),
+    into o [*, Hq, D] (any float dtype) and, unless lse is None, lse [*, Hq] fp32 at the units'
+    out rows. causal=False promises that every row sees every key of its units (decode), which
+    drops the position mask. new_kv: (k [T, Hkv, D], v, slots [T] int64) for units that store
+    their row's new key (worklist `stores`). window: a sliding layer's (then every launch masks
+    by position, both bounds); None: none. kv_scale: [4, Hkv] fp32, given iff the cache is fp8.
+    queue: [2] int32 on the device, zero (and zero again after the launch), given iff
+    cfg.dynamic. merge: the units merge their rows (o, lse are then the final rows: see MERGE);
+    trigger: a merging launch follows this one (PDL)."""
     t, hq, d = q.shape
     n_chunks, chunk_size, hkv, d_cache = k_cache.shape
     assert d_cache == d and hq % hkv == 0 and v_cache.shape == k_cache.shape
@@ -436,6 +437,7 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     assert fp8 == (kv_scale is not None), "an fp8 cache, and only it, has scales"
     assert kv_scale is None or (kv_scale.shape == (4, hkv) and kv_scale.dtype == torch.float32)
     assert units.dtype == torch.int32 and units.dim() == 2 and units.shape[1] == 6
+    assert count.shape == (2,), count.shape
     for idx in (q_pos, count, kv_chunk, kv_lo, kv_hi, kv_pos):
         assert idx.dtype == torch.int32 and idx.device == q.device
     assert lse is None or (lse.dtype == torch.float32 and lse.shape == o.shape[:2])
@@ -530,7 +532,7 @@ class Launch:
     """One of a plan's two attend launches (narrow, wide)."""
 
     units: torch.Tensor  # [>= U, 6] int32
-    count: torch.Tensor  # [1] int32 on the device: U
+    count: torch.Tensor  # [2] int32 on the device: U, the programs that take units (`launch_units`)
     cfg: KernelConfig
     causal: bool
     programs: int  # persistent grid size; 0: nothing to run
@@ -628,9 +630,11 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     def dev(a: npt.ArrayLike) -> torch.Tensor:
         return torch.from_numpy(np.asarray(a, np.int32)).to(q.device)
 
-    narrow, wide = (Launch(dev(u), dev([len(u)]), cfg, causal, grid_size(len(u), hkv, cfg, sms, fixed=False),
+    grids = [grid_size(len(u), hkv, cfg, n, fixed=False)
+             for u, cfg, n in zip((wl.narrow, wl.wide), configs, (sms, wl.wide_sms), strict=True)]
+    narrow, wide = (Launch(dev(u), dev([len(u), max(1, grid)]), cfg, causal, grid,
                            queue=torch.zeros(2, dtype=torch.int32, device=q.device) if cfg.dynamic else None)
-                    for u, cfg, causal in zip((wl.narrow, wl.wide), configs, wl.causal, strict=True))
+                    for u, cfg, causal, grid in zip((wl.narrow, wl.wide), configs, wl.causal, grids, strict=True))
     if wl.fused is not None and wl.others is not None:
         narrow = dataclasses.replace(narrow, merge=(dev(wl.fused), dev(wl.others)))
     launches = (narrow, wide)

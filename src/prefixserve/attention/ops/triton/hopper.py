@@ -125,14 +125,32 @@ def supports(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, he
 
 
 @gluon.jit
+def _items(unit_count, HKV: gl.constexpr):
+    """(U, first, end, step) of this program's work items w = (unit w % U, KV head w // U):
+    unit_count = [U, P'], P = min(P', grid) programs take units, spread evenly over the grid
+    (program p iff p * P mod grid < P, as its (p * P // grid)-th), the r-th taking r, r + P,
+    ... below U * HKV. A CUDA graph's grid is one CTA an SM; a plan's P may leave SMs to the
+    narrow launch beside it (`worklist._wide_sms`)."""
+    num_units = gl.load(unit_count)
+    grid = gl.num_programs(0)
+    step = gl.load(unit_count + 1)
+    if step > grid:  # (a Triton grid's count: more programs than CTAs)
+        step = grid
+    end = num_units * HKV
+    if (gl.program_id(0) * step) % grid >= step:
+        end = 0
+    return num_units, gl.program_id(0) * step // grid, end, step
+
+
+@gluon.jit
 def _load_partition(units, unit_count, kv_chunk, k_desc, v_desc, k_bufs, v_bufs, k_ready,
                     v_ready, empty, chunk_size, HKV: gl.constexpr, HEAD_DIM: gl.constexpr,
                     BLOCK_N: gl.constexpr, TPE: gl.constexpr):
     """Producer: the K and V tiles of every work item of this program, in walk order."""
     stages: gl.constexpr = k_bufs.type.shape[0]
-    num_units = gl.load(unit_count)
+    num_units, first, end, step = _items(unit_count, HKV)
     it = 0  # tiles issued so far (all work items): stage it % stages, lap it // stages
-    for w in range(gl.program_id(0), num_units * HKV, gl.num_programs(0)):
+    for w in range(first, end, step):
         u = w % num_units
         col = (w // num_units) * HEAD_DIM
         e0 = gl.load(units + u * 6 + 2)
@@ -168,9 +186,9 @@ def _widen_partition(units, unit_count, k8_bufs, v8_bufs, k8_ready, v8_ready, em
     the scores start while V widens."""
     ring8: gl.constexpr = k8_bufs.type.shape[0]
     ring: gl.constexpr = k_bufs.type.shape[0]
-    num_units = gl.load(unit_count)
+    num_units, first, end, step = _items(unit_count, HKV)
     it = 0  # tiles widened so far: load-ring stage it % ring8, products-ring stage it % ring
-    for w in range(gl.program_id(0), num_units * HKV, gl.num_programs(0)):
+    for w in range(first, end, step):
         u = w % num_units
         for _ in range(0, (gl.load(units + u * 6 + 3) - gl.load(units + u * 6 + 2)) * TPE):
             a = it % ring8
@@ -228,9 +246,9 @@ def _rows_partition(q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem, 
     registers a thread spilled 656 bytes so); else all after the walk. FP8: the tiles are an
     fp8 cache's, widened (`_widen_partition`): the head's K scale joins the score scale, its V
     scale the output (new_kv[9]: kv_scale [4, Hkv]; powers of two, exact)."""
-    num_units = gl.load(unit_count)
+    num_units, first, end, step = _items(unit_count, HKV)
     it = 0  # tiles consumed so far, as the producer counts them
-    for w in range(gl.program_id(0), num_units * HKV, gl.num_programs(0)):
+    for w in range(first, end, step):
         u = w % num_units
         h = w // num_units
         q_start = gl.load(units + u * 6)
@@ -579,9 +597,9 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
            new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
            kv_scale: torch.Tensor | None = None) -> None:
     """`attend.launch_units` for a launch that `applies`: the first count[0] units on a
-    persistent grid of `programs` CTAs (at most one per SM: its shared memory and `maxnreg`
-    registers a thread -- 0: MAXNREG, MAXNREG_FP8 over an fp8 cache -- leave room for narrow
-    programs only, not a second CTA). trigger: the launch after this one may start beside it
+    persistent grid of `programs` CTAs, count[1] of which take units (`_items`), at most one
+    per SM (its shared memory and `maxnreg` registers a thread -- 0: MAXNREG, MAXNREG_FP8 over
+    an fp8 cache -- leave room for narrow programs only, not a second CTA). trigger: the launch after this one may start beside it
     (programmatic dependent launch). new_kv: (k, v [T, Hkv, D], slots [T] int64) where units
     hold their rows' new keys (store -2 - t). kv_scale: an fp8 cache's [4, Hkv]."""
     n_chunks, chunk_size, hkv, d = k_cache.shape

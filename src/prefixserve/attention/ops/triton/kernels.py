@@ -62,8 +62,9 @@ class TritonKernels:
 
     def plan_extra(self, batch: AttentionBatch, arrays: HostArrays) -> HostExtras:
         """Work list of a plan's index arrays: device arrays `narrow`, `wide` (units),
-        `unit_counts`, `merge_indptr`, `merge_parts`; ints `num_partials`, `direct`, `stores`
-        and per launch whether it stores, the causal flags, the two launch shapes and grids."""
+        `unit_counts` (per launch: its units, the programs that take them), `merge_indptr`,
+        `merge_parts`; ints `num_partials`, `direct`, `stores` and per launch whether it stores,
+        the causal flags, the two launch shapes and grids."""
         s, q_len, padded = self.shape, required(arrays, "item_q_len"), batch.padded is not None
         wide_rows = q_len[q_len * self.group > NARROW_ROWS]
         # a graph's launch shapes are fixed by its row count (an item holds at most all rows)
@@ -105,12 +106,17 @@ class TritonKernels:
                 self.generation += 1
         shapes = {f"{c}_{f.name}": getattr(cfg, f.name) for c, cfg in zip(("narrow", "wide"), configs, strict=True)
                   for f in _SHAPE_FIELDS}
-        grids = {f"{c}_programs": grid_size(len(u), s.num_kv_heads, cfg, self.sms, padded)
-                 for c, u, cfg in zip(("narrow", "wide"), (wl.narrow, wl.wide), configs, strict=True)}
+        # the programs that take each launch's units (the wide one's may leave SMs to the narrow
+        # one: `worklist._wide_sms`), and its grid: those, or in a graph the fixed full grid
+        takers = [grid_size(len(u), s.num_kv_heads, cfg, sms, fixed=False) for u, cfg, sms in
+                  zip((wl.narrow, wl.wide), configs, (self.sms, wl.wide_sms), strict=True)]
+        grids = {f"{c}_programs": grid_size(0, 0, cfg, self.sms, fixed=True) if padded else n
+                 for c, cfg, n in zip(("narrow", "wide"), configs, takers, strict=True)}
         if self.group > NARROW_ROWS:  # one row's G heads exceed a narrow tile: never a narrow unit
             grids["narrow_programs"] = 0
         return {"narrow": _addressable(wl.narrow), "wide": _addressable(wl.wide),
-                "unit_counts": np.array([len(wl.narrow), len(wl.wide)], np.int64),
+                "unit_counts": np.array([len(wl.narrow), max(1, takers[0]), len(wl.wide), max(1, takers[1])],
+                                        np.int64),
                 "merge_indptr": wl.merge_indptr, "merge_parts": wl.merge_parts,
                 "fused": int(wl.fused is not None),
                 "merge_rows": None if wl.fused is None else _addressable(wl.fused),
@@ -153,7 +159,7 @@ class TritonKernels:
     def launches(self, x: DeviceExtras) -> tuple[Launch, Launch]:
         """The (narrow, wide) launches of a plan's extras `x`."""
         cfgs = [self.launch_config(x, c) for c in ("narrow", "wide")]
-        narrow, wide = (Launch(_tensor(x, c), _tensor(x, "unit_counts")[i:i + 1], cfg, bool(x[f"causal_{c}"]),
+        narrow, wide = (Launch(_tensor(x, c), _tensor(x, "unit_counts")[2 * i:2 * i + 2], cfg, bool(x[f"causal_{c}"]),
                                _int(x, f"{c}_programs"), bool(x[f"stores_{c}"]),
                                self.queues[i] if cfg.dynamic else None)
                         for i, (c, cfg) in enumerate(zip(("narrow", "wide"), cfgs, strict=True)))

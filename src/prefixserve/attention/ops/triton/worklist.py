@@ -35,6 +35,14 @@ least 2 tiles), where that ends the launch sooner on its grid. (The whole-wave c
 4-11% off the Gluon launch's b256 steps over 8K and 16K shared keys on an H200, 4-6% off
 Triton's over 16K: issue 25 part nineteen.)
 
+Beside the narrow launch (`_wide_sms`). The Gluon kernel's 128-row CTA (one an SM) leaves room
+for 2 narrow programs, a free SM holds 8; where the tails' bytes outlast the products on
+every SM, the wide units are balanced over fewer SMs, so that the narrow programs on the
+others stream at full width while the products run (an estimate with rates fitted on an
+H200; a CUDA graph's fixed grid then has only that many CTAs take units). On an H200 this
+took 2-14% off the Hydragen grid's steps whose tails outlast the products (512-key tails
+under 2K-16K shared keys, 128-key tails under 2K: issue 25 part twenty).
+
 New keys (decode). In a step where every row reads only keys at or before its own position,
 each row's newest key (the one this step's store writes) is read by one unit alone: the last
 split of the row's own tail item. That unit takes the key from the step's k/v (not from the
@@ -188,6 +196,7 @@ class WorkList:
     direct: bool  # no merge: units write final rows (out_row indexes the output)
     causal: tuple[bool, bool]  # (narrow, wide): some row precedes one of its unit's keys
     stores: bool  # units write every row's new key (store != -1, see above); no store launch
+    wide_sms: int  # the SMs the wide units are balanced over (fewer than all: `_wide_sms`)
     fused: np.ndarray | None = None  # [Un, 3]: each narrow unit's (final row, others start,
     # count), where the narrow units merge (see above; narrow then ends in the padding rows' units)
     others: np.ndarray | None = None  # [M]: the scratch rows a narrow unit merges with its own
@@ -243,6 +252,56 @@ def _splits(q_len: np.ndarray, num_entries: np.ndarray, cfg: KernelConfig, group
     return entries, -(-num_entries // entries)
 
 
+# The wide Gluon launch's SMs beside a narrow launch. Its 128-row CTA (one an SM) leaves room
+# for 2 narrow programs, a free SM holds 8. Rates fitted on an H200 (issue 25 part twenty: 8
+# rows x 5 grids, the pick best on all 8), in narrow tiles (4,096 keys' elements of K and V at
+# 16 bits, 16 KB: `choose_configs`' narrow tile at D 64 and 128) per wide tile time (128 rows
+# x 4,096 keys' elements: one 64-key tile at D 128):
+_FREE_SM = 3.0  # the narrow programs of a free SM
+_BESIDE_SM = 0.6  # those beside a wide CTA
+_ALL_SM = 1.97  # the GPU's bandwidth, per SM
+_MIN_GAIN = 0.05  # fewer SMs only where the estimate ends 5% sooner (its 3% gains measured -4..+1%)
+_NOISE = 0.02  # estimates this close are equal (b256 x 2K shared keys: 48 SMs estimated 1.6% sooner
+# than 64, measured 2% later)
+
+
+def _wide_sms(q_len: np.ndarray, num_entries: np.ndarray, cfg: KernelConfig, group: int, num_kv_heads: int,
+              chunk_pad: int, itemsize: int, num_sms: int, narrow_tiles: float) -> int:
+    """The SMs to balance the wide units over where they run beside `narrow_tiles` narrow
+    tiles (all KV heads'): all, unless the tails outlast the products there; then, of the
+    grids that whole waves of 1-4 splits of every row block fill (down to a quarter of the
+    SMs), the largest whose estimated end (`_beside_end`) is within _NOISE of the soonest, so
+    that the rest stream the tails at full width (on an H200, b256 x 8K shared keys with
+    512-key tails: 64 SMs, 11% off the step)."""
+    blocks = -(-q_len // max(1, cfg.block_m // group))
+    tiles = -(-num_entries * chunk_pad // cfg.block_n)
+    unsplit = int(blocks.sum()) * num_kv_heads
+
+    def end(sms: int) -> float:
+        _, splits = _splits(q_len, num_entries, cfg, group, num_kv_heads, chunk_pad, itemsize, sms)
+        copies = blocks * splits * num_kv_heads
+        programs = max(1, min(sms, int(copies.sum())))  # (items without entries: no units)
+        return _beside_end(_makespan(-(-tiles // np.maximum(splits, 1)), copies, programs), programs, narrow_tiles,
+                           num_sms)
+
+    candidates = {-(-unsplit * s // w) for s in range(1, 5) for w in range(1, 5)}
+    ends = {sms: end(sms) for sms in candidates | {num_sms} if max(1, num_sms // 4) <= sms <= num_sms}
+    best = min(ends.values())
+    # the most SMs within the estimate's noise of the best (where the tails bound the step,
+    # fewer SMs end it no sooner), if that ends it sooner than all
+    sms = max(sms for sms, t in ends.items() if t <= (1 + _NOISE) * best)
+    return sms if ends[sms] <= (1 - _MIN_GAIN) * ends[num_sms] else num_sms
+
+
+def _beside_end(makespan: int, programs: int, narrow_tiles: float, num_sms: int) -> float:
+    """When a wide launch of `makespan` tiles on `programs` SMs and `narrow_tiles` beside it
+    end, in wide tile times (rates above): the narrow programs stream at their rates while the
+    wide CTAs run, at the GPU's bandwidth after."""
+    full = _ALL_SM * num_sms
+    during = min(full, (num_sms - programs) * _FREE_SM + programs * _BESIDE_SM)
+    return max(makespan + max(0.0, narrow_tiles - during * makespan) / full, narrow_tiles / full)
+
+
 def _makespan(tiles: np.ndarray, copies: np.ndarray, programs: int) -> int:
     """Tiles of the busiest program when `copies[i]` work items of `tiles[i]` tiles each are
     taken longest first, program p taking items p, p + programs, ... (the attend kernel's
@@ -277,10 +336,23 @@ def build_worklist(q_start: npt.ArrayLike, q_len: npt.ArrayLike, out_start: npt.
     classes = ((~is_wide, configs[0]), (is_wide, configs[1]))
     entries = np.zeros_like(q_len)
     num_splits = np.zeros_like(q_len)
-    for cls, cfg in classes:
+    pad = next_pow2(chunk_size)
+    wide_sms = num_sms
+    narrow_cfg, wide_cfg = configs
+    # the Gluon wide launch of 128 rows (one CTA an SM) with the narrow one beside it
+    if (narrow_cfg.dynamic and not narrow_cfg.after_wide and wide_cfg.block_m == 128 and wide_cfg.programs_per_sm == 1
+            and is_wide.any() and not is_wide.all()):
+        # the narrow units' keys (one row block each), in tiles: a decode tail's last chunk
+        # holds a few keys, often only the new one (which its unit takes from the step's k, v)
+        keys = num_entries * pad
+        if positions is not None:
+            valid = np.r_[0, np.cumsum(np.asarray(positions[3], np.int64) - np.asarray(positions[2], np.int64))]
+            keys = valid[kv_indptr[1:]] - valid[kv_indptr[:-1]]
+        wide_sms = _wide_sms(q_len[is_wide], num_entries[is_wide], wide_cfg, group, num_kv_heads, pad,
+                             itemsize, num_sms, int(keys[~is_wide].sum()) * num_kv_heads / narrow_cfg.block_n)
+    for (cls, cfg), sms in zip(classes, (num_sms, wide_sms), strict=True):
         entries[cls], num_splits[cls] = _splits(q_len[cls], num_entries[cls], cfg, group,
-                                                num_kv_heads, next_pow2(chunk_size), itemsize,
-                                                num_sms)
+                                                num_kv_heads, pad, itemsize, sms)
     # scratch rows: the splits' own partial rows (also a no-merge schedule's, when forced)
     scratch = bool((num_splits > 1).any()) or (force_merge and row_indptr is None)
     base = _csr(num_splits * q_len)[:-1] if scratch else out_start
@@ -292,7 +364,7 @@ def build_worklist(q_start: npt.ArrayLike, q_len: npt.ArrayLike, out_start: npt.
               and mark_stores([narrow, wide], q_start, q_len, kv_chunk, *positions))
     if not scratch and row_indptr is None:
         return WorkList(narrow, wide, num_rows, None, None, direct=True, causal=causal,
-                        stores=stores)
+                        stores=stores, wide_sms=wide_sms)
     if scratch:
         num_partials = int((num_splits * q_len).sum())
         indptr, parts = _merge_csr(q_len, out_start, num_splits, base, num_rows, row_indptr, row_parts)
@@ -309,9 +381,9 @@ def build_worklist(q_start: npt.ArrayLike, q_len: npt.ArrayLike, out_start: npt.
     fused = None if beside else _fused_merge(narrow, indptr, parts, num_partials)
     if fused is None:
         return WorkList(narrow, wide, num_partials, indptr, parts, direct=False, causal=causal,
-                        stores=stores)
+                        stores=stores, wide_sms=wide_sms)
     return WorkList(fused[0], wide, num_partials, indptr, parts, direct=False, causal=causal,
-                    stores=stores, fused=fused[1], others=fused[2])
+                    stores=stores, wide_sms=wide_sms, fused=fused[1], others=fused[2])
 
 
 def _absorb_keys(narrow: np.ndarray, wide: np.ndarray) -> np.ndarray | None:
