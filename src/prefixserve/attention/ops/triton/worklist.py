@@ -293,6 +293,18 @@ def _wide_sms(q_len: np.ndarray, num_entries: np.ndarray, cfg: KernelConfig, gro
     return sms if ends[sms] <= (1 - _MIN_GAIN) * ends[num_sms] else num_sms
 
 
+def _item_keys(slots: np.ndarray, kv_indptr: np.ndarray,
+               positions: Sequence[npt.ArrayLike] | None) -> np.ndarray:
+    """Each item's keys: its entries' valid keys where `positions` (q_pos, kv_pos, kv_lo, kv_hi)
+    give them (a decode tail's last chunk holds a few, often only the new key, which its unit
+    takes from the step's k, v), else `slots` (its entries' padded slots)."""
+    if positions is None:
+        return slots
+    valid = _csr(np.asarray(positions[3], np.int64) - np.asarray(positions[2], np.int64))
+    keys: np.ndarray = valid[kv_indptr[1:]] - valid[kv_indptr[:-1]]
+    return keys
+
+
 def _beside_end(makespan: int, programs: int, narrow_tiles: float, num_sms: int) -> float:
     """When a wide launch of `makespan` tiles on `programs` SMs and `narrow_tiles` beside it
     end, in wide tile times (rates above): the narrow programs stream at their rates while the
@@ -342,14 +354,9 @@ def build_worklist(q_start: npt.ArrayLike, q_len: npt.ArrayLike, out_start: npt.
     # the Gluon wide launch of 128 rows (one CTA an SM) with the narrow one beside it
     if (narrow_cfg.dynamic and not narrow_cfg.after_wide and wide_cfg.block_m == 128 and wide_cfg.programs_per_sm == 1
             and is_wide.any() and not is_wide.all()):
-        # the narrow units' keys (one row block each), in tiles: a decode tail's last chunk
-        # holds a few keys, often only the new one (which its unit takes from the step's k, v)
-        keys = num_entries * pad
-        if positions is not None:
-            valid = np.r_[0, np.cumsum(np.asarray(positions[3], np.int64) - np.asarray(positions[2], np.int64))]
-            keys = valid[kv_indptr[1:]] - valid[kv_indptr[:-1]]
+        keys = _item_keys(num_entries * pad, kv_indptr, positions)[~is_wide].sum()
         wide_sms = _wide_sms(q_len[is_wide], num_entries[is_wide], wide_cfg, group, num_kv_heads, pad,
-                             itemsize, num_sms, int(keys[~is_wide].sum()) * num_kv_heads / narrow_cfg.block_n)
+                             itemsize, num_sms, int(keys) * num_kv_heads / narrow_cfg.block_n)
     for (cls, cfg), sms in zip(classes, (num_sms, wide_sms), strict=True):
         entries[cls], num_splits[cls] = _splits(q_len[cls], num_entries[cls], cfg, group,
                                                 num_kv_heads, pad, itemsize, sms)
