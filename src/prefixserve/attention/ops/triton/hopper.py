@@ -599,9 +599,10 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
     """`attend.launch_units` for a launch that `applies`: the first count[0] units on a
     persistent grid of `programs` CTAs, count[1] of which take units (`_items`), at most one
     per SM (its shared memory and `maxnreg` registers a thread -- 0: MAXNREG, MAXNREG_FP8 over
-    an fp8 cache -- leave room for narrow programs only, not a second CTA). trigger: the launch after this one may start beside it
-    (programmatic dependent launch). new_kv: (k, v [T, Hkv, D], slots [T] int64) where units
-    hold their rows' new keys (store -2 - t). kv_scale: an fp8 cache's [4, Hkv]."""
+    an fp8 cache -- leave room for narrow programs only, not a second CTA). trigger: the
+    launch after this one may start beside it (programmatic dependent launch). new_kv: (k, v
+    [T, Hkv, D], slots [T] int64) where units hold their rows' new keys (store -2 - t).
+    kv_scale: an fp8 cache's [4, Hkv]."""
     n_chunks, chunk_size, hkv, d = k_cache.shape
     g = q.shape[1] // hkv
     fp8 = k_cache.dtype == FP8
