@@ -171,6 +171,32 @@ def test_merge_partials_matches_reference():
     assert torch.equal(o[[1, 6]], torch.zeros(2, 6, 64))
 
 
+def test_merge_chunks_fold_a_row_of_as_many_partials_bit_for_bit():
+    """A chunk of the plan's most partials a row (`merge.chunk_size`) folds each row as a chunk
+    of 8 does, bit for bit; rows with more partials than the chunk still merge right."""
+    from prefixserve.attention.ops.triton.merge import UNROLL, chunk_size, merge_rows
+    g = torch.Generator().manual_seed(3)
+    counts = torch.tensor([2, 0, 1, 2, 3, 4, 2, 9])
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).int()
+    o_parts = torch.randn(int(counts.sum()), 4, 32, generator=g)
+    lse_parts = torch.randn(int(counts.sum()), 4, generator=g) * 5
+    parts = torch.randperm(int(counts.sum()), generator=g).int()
+    o_ref, lse_ref = reference.merge_partials(o_parts, lse_parts, indptr, parts)
+    outs = {}
+    for unroll in (1, 2, 4, UNROLL):
+        o, lse = torch.zeros(len(counts), 4, 32), torch.zeros(len(counts), 4)
+        o, lse = to_dev(o, lse)
+        merge_rows(*to_dev(o_parts, lse_parts, indptr, parts), o, lse, unroll=unroll)
+        outs[unroll] = o.cpu(), lse.cpu()
+        assert (outs[unroll][0] - o_ref).abs().max() <= 1e-5 * o_parts.abs().max()
+        assert torch.allclose(outs[unroll][1][counts > 0], lse_ref[counts > 0], rtol=0, atol=1e-5)
+    for unroll, (o, lse) in outs.items():
+        inside = counts <= unroll
+        assert torch.equal(o[inside], outs[UNROLL][0][inside]) and torch.equal(lse[inside], outs[UNROLL][1][inside])
+    assert [chunk_size(np.array(c)) for c in ([0, 2, 4, 6], [0, 3, 3], [0, 1, 6], [0, 9], [0, 0])] == [2, 4, 8, 8, 2]
+    assert chunk_size(None) == UNROLL
+
+
 BACKEND_CASES = [(100 + i, dt, d, g, c, pre) for i, (dt, d, g, c, pre) in enumerate(
     [(torch.float32, 64, 3, 16, False), (torch.float16, 128, 8, 64, False),
      (torch.bfloat16, 64, 1, 16, True), (torch.float16, 64, 3, 64, True)])]
@@ -201,7 +227,11 @@ def test_backends_on_triton_match_dense(seed, dtype, head_dim, group, chunk, pre
     for name, cls in BACKENDS.items():
         backend = cls(case.shape, kernels=tops.TritonKernels(case.shape, sms=3))  # splits
         backend.plan(case.batch)
-        assert backend.current.extra["stores"] == folds(case, prefill), name
+        x = backend.current.extra
+        assert x["stores"] == folds(case, prefill), name
+        if not x["direct"]:  # the merge takes each row's partials in one chunk
+            most = int(x["merge_indptr"].diff().max())
+            assert x["merge_unroll"] == min(8, max(2, 1 << (most - 1).bit_length())), name
         k_cache, v_cache = to_dev(case.k_cache.clone(), case.v_cache.clone())
         o = backend.run(*to_dev(case.q, case.k, case.v), k_cache, v_cache).cpu()
         assert o.dtype == dtype and o.shape == case.q.shape, name
@@ -339,6 +369,7 @@ def test_padded_batches_on_triton_match_dense(seed, dtype, head_dim, group, chun
         backend.plan(batch)
         stores = backend.current.extra["stores"]
         assert stores == folds(case, prefill), name
+        assert backend.current.extra["merge_unroll"] == 8, name  # a graph's, right for any later plan
         k_cache, v_cache = (torch.cat([c, torch.zeros_like(c[:1])]) for c in (case.k_cache, case.v_cache))
         k_cache, v_cache = to_dev(k_cache, v_cache)
         o = backend.run(*to_dev(q, k, v), k_cache, v_cache).cpu()

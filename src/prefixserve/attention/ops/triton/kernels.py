@@ -28,7 +28,7 @@ import torch
 from ...base import AttentionBatch, AttentionShape
 from ...plan import DeviceExtras, DevicePlan, HostArrays, HostExtras, required
 from .attend import Launch, grid_size, hopper_module, launch_worklist, num_sms
-from .merge import merge_rows
+from .merge import UNROLL, chunk_size, merge_rows
 from .store import store_kv
 from .worklist import NARROW_ROWS, KernelConfig, build_worklist, choose_configs, items_need_causal
 
@@ -64,7 +64,7 @@ class TritonKernels:
         """Work list of a plan's index arrays: device arrays `narrow`, `wide` (units),
         `unit_counts` (per launch: its units, the programs that take them), `merge_indptr`,
         `merge_parts`; ints `num_partials`, `direct`, `stores` and per launch whether it stores,
-        the causal flags, the two launch shapes and grids."""
+        the causal flags, the two launch shapes and grids, the merge's partials a chunk."""
         s, q_len, padded = self.shape, required(arrays, "item_q_len"), batch.padded is not None
         wide_rows = q_len[q_len * self.group > NARROW_ROWS]
         # a graph's launch shapes are fixed by its row count (an item holds at most all rows)
@@ -118,6 +118,8 @@ class TritonKernels:
                 "unit_counts": np.array([len(wl.narrow), max(1, takers[0]), len(wl.wide), max(1, takers[1])],
                                         np.int64),
                 "merge_indptr": wl.merge_indptr, "merge_parts": wl.merge_parts,
+                # a graph keeps the chunk it was captured with: the largest, right for any plan
+                "merge_unroll": UNROLL if padded else chunk_size(wl.merge_indptr),
                 "fused": int(wl.fused is not None),
                 "merge_rows": None if wl.fused is None else _addressable(wl.fused),
                 "merge_others": None if wl.others is None else _addressable(wl.others),
@@ -148,7 +150,7 @@ class TritonKernels:
                                  final=(out, None))
         if not _int(x, "fused"):
             merge_rows(o_s, lse_s, _tensor(x, "merge_indptr"), _tensor(x, "merge_parts"), out, None,
-                       pdl=beside)
+                       pdl=beside, unroll=_int(x, "merge_unroll"))
         return out
 
     @staticmethod

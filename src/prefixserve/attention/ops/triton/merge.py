@@ -1,7 +1,12 @@
 """`merge_partials` on the GPU: the log-sum-exp merge of fp32 partials, one pass per row.
 
 Program (row r, block of BLOCK_H heads) folds the row's partials in CSR order, UNROLL at a
-time (a chunk; slots past the row's end load as -inf partials, which weigh 0). A chunk's
+time (a chunk; slots past the row's end load as -inf partials, which weigh exactly 0, so a
+row inside one chunk folds the same, bit for bit, at any UNROLL). UNROLL is the plan's most
+partials a row, as a power of two up to 8 (`chunk_size`): most shared-prefix steps have 2 a
+row (one wide split and the tail), and a chunk of 8 spent its time on the 6 masked slots -- on
+an H200 the Hydragen rows' steps 1-4.5% shorter at 2 (b1024 x 2K shared keys 216 -> 207 us,
+issue 25 part twenty-one). A chunk's
 loads are all issued before its arithmetic, so a row costs one chain of dependent loads (part
 indices, then lse and o) a chunk, not a partial: on an H100, Table 3's all-shared steps 1.5-2 us
 shorter than the one-partial-a-time loop, where the merge follows the attend launch. A chunk
@@ -15,6 +20,7 @@ summed over its first axis ran 1.3-4x slower on an H200: the sum crosses warps):
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -22,7 +28,15 @@ from triton.language.extra.cuda import gdc_wait
 
 from .worklist import next_pow2
 
-UNROLL = 8  # partials a chunk (each of Table 3's rows has at most 5)
+UNROLL = 8  # partials a chunk at most (each of Table 3's rows has at most 5)
+
+
+def chunk_size(row_indptr: np.ndarray | None) -> int:
+    """Partials a chunk for rows with these CSR bounds ([rows + 1]; None: unknown, a graph's
+    plan): the most a row has, as a power of two in [2, UNROLL]; UNROLL where unknown."""
+    if row_indptr is None or len(row_indptr) < 2:
+        return UNROLL
+    return min(UNROLL, next_pow2(max(2, int(np.diff(row_indptr).max()))))
 
 
 @triton.jit
@@ -100,8 +114,9 @@ def _merge_kernel(o_parts, lse_parts, indptr, parts, o, lse,
 
 def merge_rows(o_parts: torch.Tensor, lse_parts: torch.Tensor, row_indptr: torch.Tensor,
                row_parts: torch.Tensor, o: torch.Tensor, lse: torch.Tensor | None,
-               pdl: bool = False) -> None:
-    """Merge into o [T, Hq, D] (any float dtype) and, unless None, lse [T, Hq] fp32. pdl
+               pdl: bool = False, unroll: int = UNROLL) -> None:
+    """Merge into o [T, Hq, D] (any float dtype) and, unless None, lse [T, Hq] fp32, `unroll`
+    partials a chunk (a power of two: `chunk_size`). pdl
     (CUDA): launched as a programmatic dependent of the launch before it, which triggers it
     (the attend launch, `launch_worklist`): its programs start beside that launch's and wait
     for its end before reading the partials (on an H200, Table 3's all-shared rows ~1 us
@@ -113,6 +128,7 @@ def merge_rows(o_parts: torch.Tensor, lse_parts: torch.Tensor, row_indptr: torch
     assert row_indptr.dtype == row_parts.dtype == torch.int32
     assert lse is None or (lse.dtype == torch.float32 and lse.shape == (num_rows, hq))
     assert lse_parts.stride(-1) == 1 and (lse is None or lse.stride(-1) == 1)
+    assert 1 <= unroll <= UNROLL and unroll & (unroll - 1) == 0, unroll
     if num_rows == 0:
         return
     block_d = next_pow2(d)
@@ -124,7 +140,7 @@ def merge_rows(o_parts: torch.Tensor, lse_parts: torch.Tensor, row_indptr: torch
         o_parts, lse_parts, row_indptr, row_parts, o, o if lse is None else lse,
         o_parts.stride(0), o_parts.stride(1), lse_parts.stride(0), o.stride(0), o.stride(1),
         0 if lse is None else lse.stride(0), hq, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d,
-        WRITE_LSE=lse is not None, PDL=pdl, UNROLL=UNROLL, **({"launch_pdl": True} if pdl else {}))
+        WRITE_LSE=lse is not None, PDL=pdl, UNROLL=unroll, **({"launch_pdl": True} if pdl else {}))
 
 
 def merge_partials(o_parts: torch.Tensor, lse_parts: torch.Tensor, row_indptr: torch.Tensor,
