@@ -6,10 +6,10 @@ row inside one chunk folds the same, bit for bit, at any UNROLL). UNROLL is the 
 partials a row, as a power of two up to 8 (`chunk_size`): most shared-prefix steps have 2 a
 row (one wide split and the tail), and a chunk of 8 spent its time on the 6 masked slots -- on
 an H200 the Hydragen rows' steps 1-4.5% shorter at 2 (b1024 x 2K shared keys 216 -> 207 us,
-issue 25 part twenty-one). A chunk's
-loads are all issued before its arithmetic, so a row costs one chain of dependent loads (part
-indices, then lse and o) a chunk, not a partial: on an H100, Table 3's all-shared steps 1.5-2 us
-shorter than the one-partial-a-time loop, where the merge follows the attend launch. A chunk
+issue 25 part twenty-one). A chunk's loads are all issued before its arithmetic, so a row
+costs one chain of dependent loads (part indices, then lse and o) a chunk, not a partial: on
+an H100, Table 3's all-shared steps 1.5-2 us shorter than the one-partial-a-time loop, where
+the merge follows the attend launch. A chunk
 folds into the running (m, denom, acc) with its maximum taken first, so that no exponential
 waits on a partial's o; its partials stay separate registers (a [UNROLL, BLOCK_H, D] tile
 summed over its first axis ran 1.3-4x slower on an H200: the sum crosses warps):
