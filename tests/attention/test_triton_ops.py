@@ -172,9 +172,9 @@ def test_merge_partials_matches_reference():
 
 
 def test_merge_chunks_fold_a_row_of_as_many_partials_bit_for_bit():
-    """A chunk of the plan's most partials a row (`merge.chunk_size`) folds each row as a chunk
+    """A chunk of the plan's most partials a row (`merge.unroll_for`) folds each row as a chunk
     of 8 does, bit for bit; rows with more partials than the chunk still merge right."""
-    from prefixserve.attention.ops.triton.merge import UNROLL, chunk_size, merge_rows
+    from prefixserve.attention.ops.triton.merge import UNROLL, merge_rows, unroll_for
     g = torch.Generator().manual_seed(3)
     counts = torch.tensor([2, 0, 1, 2, 3, 4, 2, 9])
     indptr = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).int()
@@ -193,8 +193,8 @@ def test_merge_chunks_fold_a_row_of_as_many_partials_bit_for_bit():
     for unroll, (o, lse) in outs.items():
         inside = counts <= unroll
         assert torch.equal(o[inside], outs[UNROLL][0][inside]) and torch.equal(lse[inside], outs[UNROLL][1][inside])
-    assert [chunk_size(np.array(c)) for c in ([0, 2, 4, 6], [0, 3, 3], [0, 1, 6], [0, 9], [0, 0])] == [2, 4, 8, 8, 2]
-    assert chunk_size(None) == UNROLL
+    assert [unroll_for(np.array(c)) for c in ([0, 2, 4, 6], [0, 3, 3], [0, 1, 6], [0, 9], [0, 0])] == [2, 4, 8, 8, 2]
+    assert unroll_for(None) == UNROLL
 
 
 BACKEND_CASES = [(100 + i, dt, d, g, c, pre) for i, (dt, d, g, c, pre) in enumerate(

@@ -60,7 +60,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..reference import FP8
-from .merge import chunk_size, merge_rows
+from .merge import merge_rows, unroll_for
 from .store import K_INV_ROW, K_SCALE_ROW, V_INV_ROW, V_SCALE_ROW, fp8_query, quantize_fp8
 from .worklist import NARROW_ROWS, KernelConfig, build_worklist, choose_configs, next_pow2
 
@@ -653,5 +653,5 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return o, lse
     assert wl.merge_indptr is not None and wl.merge_parts is not None, "not direct: a merge"
     merge_rows(o_s, lse_s, dev(wl.merge_indptr), dev(wl.merge_parts), o, lse, pdl=beside,
-               unroll=chunk_size(wl.merge_indptr))
+               unroll=unroll_for(wl.merge_indptr))
     return o, lse

@@ -28,7 +28,7 @@ import torch
 from ...base import AttentionBatch, AttentionShape
 from ...plan import DeviceExtras, DevicePlan, HostArrays, HostExtras, required
 from .attend import Launch, grid_size, hopper_module, launch_worklist, num_sms
-from .merge import UNROLL, chunk_size, merge_rows
+from .merge import UNROLL, merge_rows, unroll_for
 from .store import store_kv
 from .worklist import NARROW_ROWS, KernelConfig, build_worklist, choose_configs, items_need_causal
 
@@ -119,7 +119,7 @@ class TritonKernels:
                                         np.int64),
                 "merge_indptr": wl.merge_indptr, "merge_parts": wl.merge_parts,
                 # a graph keeps the chunk it was captured with: the largest, right for any plan
-                "merge_unroll": UNROLL if padded else chunk_size(wl.merge_indptr),
+                "merge_unroll": UNROLL if padded else unroll_for(wl.merge_indptr),
                 "fused": int(wl.fused is not None),
                 "merge_rows": None if wl.fused is None else _addressable(wl.fused),
                 "merge_others": None if wl.others is None else _addressable(wl.others),

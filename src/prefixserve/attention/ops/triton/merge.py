@@ -3,7 +3,7 @@
 Program (row r, block of BLOCK_H heads) folds the row's partials in CSR order, UNROLL at a
 time (a chunk; slots past the row's end load as -inf partials, which weigh exactly 0, so a
 row inside one chunk folds the same, bit for bit, at any UNROLL). UNROLL is the plan's most
-partials a row, as a power of two up to 8 (`chunk_size`): most shared-prefix steps have 2 a
+partials a row, as a power of two up to 8 (`unroll_for`): most shared-prefix steps have 2 a
 row (one wide split and the tail), and a chunk of 8 spent its time on the 6 masked slots -- on
 an H200 the Hydragen rows' steps 1-4.5% shorter at 2 (b1024 x 2K shared keys 216 -> 207 us,
 issue 25 part twenty-one). A chunk's loads are all issued before its arithmetic, so a row
@@ -31,7 +31,7 @@ from .worklist import next_pow2
 UNROLL = 8  # partials a chunk at most (each of Table 3's rows has at most 5)
 
 
-def chunk_size(row_indptr: np.ndarray | None) -> int:
+def unroll_for(row_indptr: np.ndarray | None) -> int:
     """Partials a chunk for rows with these CSR bounds ([rows + 1]; None: unknown, a graph's
     plan): the most a row has, as a power of two in [2, UNROLL]; UNROLL where unknown."""
     if row_indptr is None or len(row_indptr) < 2:
@@ -116,7 +116,7 @@ def merge_rows(o_parts: torch.Tensor, lse_parts: torch.Tensor, row_indptr: torch
                row_parts: torch.Tensor, o: torch.Tensor, lse: torch.Tensor | None,
                pdl: bool = False, unroll: int = UNROLL) -> None:
     """Merge into o [T, Hq, D] (any float dtype) and, unless None, lse [T, Hq] fp32, `unroll`
-    partials a chunk (a power of two: `chunk_size`). pdl
+    partials a chunk (a power of two: `unroll_for`). pdl
     (CUDA): launched as a programmatic dependent of the launch before it, which triggers it
     (the attend launch, `launch_worklist`): its programs start beside that launch's and wait
     for its end before reading the partials (on an H200, Table 3's all-shared rows ~1 us
