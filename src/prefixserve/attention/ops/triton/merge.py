@@ -9,10 +9,10 @@ an H200 the Hydragen rows' steps 1-4.5% shorter at 2 (b1024 x 2K shared keys 216
 issue 25 part twenty-one). A chunk's loads are all issued before its arithmetic, so a row
 costs one chain of dependent loads (part indices, then lse and o) a chunk, not a partial: on
 an H100, Table 3's all-shared steps 1.5-2 us shorter than the one-partial-a-time loop, where
-the merge follows the attend launch. A chunk
-folds into the running (m, denom, acc) with its maximum taken first, so that no exponential
-waits on a partial's o; its partials stay separate registers (a [UNROLL, BLOCK_H, D] tile
-summed over its first axis ran 1.3-4x slower on an H200: the sum crosses warps):
+the merge follows the attend launch. A chunk folds into the running (m, denom, acc) with its
+maximum taken first, so that no exponential waits on a partial's o; its partials stay
+separate registers (a [UNROLL, BLOCK_H, D] tile summed over its first axis ran 1.3-4x slower
+on an H200: the sum crosses warps):
 
     m' = max(m, max_i lse_i);  acc = acc e^(m - m') + sum_i e^(lse_i - m') o_i;  denom likewise
     o = acc / denom,  lse = m' + ln denom;  no finite partial: (0, -inf)
@@ -32,8 +32,9 @@ UNROLL = 8  # partials a chunk at most (each of Table 3's rows has at most 5)
 
 
 def unroll_for(row_indptr: np.ndarray | None) -> int:
-    """Partials a chunk for rows with these CSR bounds ([rows + 1]; None: unknown, a graph's
-    plan): the most a row has, as a power of two in [2, UNROLL]; UNROLL where unknown."""
+    """Partials a chunk for rows with these CSR bounds ([rows + 1]; None: a plan with no
+    merge): the most a row has, as a power of two in [2, UNROLL]; UNROLL where there are no
+    rows. (A graph's plan takes UNROLL instead: `kernels.TritonKernels.plan_extra`.)"""
     if row_indptr is None or len(row_indptr) < 2:
         return UNROLL
     return min(UNROLL, next_pow2(max(2, int(np.diff(row_indptr).max()))))
