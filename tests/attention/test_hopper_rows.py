@@ -14,6 +14,7 @@ rows' new keys.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import pytest
@@ -80,25 +81,31 @@ def test_row_walk_matches_twin(dtype, hkv, d, chunk, items, sms, dynamic):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("batch,heads,shared,own,merges", [
-    (96, 8, 512, 188, False), (20, 8, 512, 188, False), (32, 32, 512, 188, True), (40, 4, 4096, 40, True)],
-    ids=["beside-128-row-products", "after-32-row-products", "after-merging", "after-merging-many-partials"])
-def test_decode_step_with_the_row_walk(dtype, batch, heads, shared, own, merges, monkeypatch):
+@pytest.mark.parametrize("batch,heads,shared,own,mode", [
+    (96, 8, 512, 188, "beside"), (20, 8, 512, 188, "after"), (32, 32, 512, 188, "after-merging"),
+    (40, 4, 4096, 40, "after-merging"), (32, 32, 768, 256, "merging-beside"), (40, 4, 4096, 40, "merging-beside")],
+    ids=["beside-128-row-products", "after-32-row-products", "after-merging", "after-merging-many-partials",
+         "merging-beside-32-row-products", "merging-beside-on-4-sms"])
+def test_decode_step_with_the_row_walk(dtype, batch, heads, shared, own, mode, monkeypatch):
     """A decode step of G 1 over an fp8 cache: paged (narrow units only) and relay (96
-    sequences under a shared prefix: 128-row wide units beside; 20-40: 32- and 64-row wide
-    units, which the walk follows on their stream) run the narrow units in the row walk, which
-    writes the new keys (quantized). Where each row's tail is one unit (`merges`: 20 x 8 heads
-    splits the tails) the walk merges its rows with the wide units' partials, more than
-    MERGE_CHUNK of them a row under 4,096 shared keys over 4 heads. Every step over a 16-bit
-    cache keeps the Triton narrow launch. The same output as with the walk off (within the
-    Triton kernel's 16-bit P), the same cache bytes, and a second run gives the same output
-    (the walk's item counter is back at 0)."""
+    sequences under a shared prefix: 128-row wide units, the walk beside them; 20-40: 32- and
+    64-row wide units, which the walk follows on their stream -- or, where their items walk at
+    least twice a tail's keys, runs beside on the other SMs; kept after here by raising that
+    bar for the after-merging cases) run the narrow units in the row walk, which writes the
+    new keys (quantized). Where each row's tail is one unit (20 x 8 heads splits the tails)
+    the walk merges its rows with the wide units' partials: after them, more than MERGE_CHUNK
+    of them a row under 4,096 shared keys over 4 heads; beside them, once they end (PDL).
+    Every step over a 16-bit cache keeps the Triton narrow launch. The same output as with the
+    walk off (within the Triton kernel's 16-bit P), the same cache bytes, and a second run
+    gives the same output (the walk's item counter is back at 0)."""
     from prefixserve.attention.backends.paged import PagedBackend
     from prefixserve.attention.backends.relay import RelayBackend
     from prefixserve.attention.ops.triton import kernels as tk
     from prefixserve.bench.kernels.rows import Workload, build
 
     gluon_rows = tk._gluon_rows
+    if mode == "after-merging":
+        monkeypatch.setattr("prefixserve.attention.ops.triton.worklist._BESIDE_KEYS", float("inf"))
     name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
     context = shared + own
     row16 = build(Workload("test", batch, heads, heads, 128, context, (shared,), 64, name), DEVICE)
@@ -114,12 +121,14 @@ def test_decode_step_with_the_row_walk(dtype, batch, heads, shared, own, merges,
             be = cls(row.shape, kernels=tops.TritonKernels(row.shape))
             be.plan(row.batch)
             x = be.current.extra
-            after = walk_on and cls is RelayBackend and batch < 96
+            relay_walk = walk_on and cls is RelayBackend
             assert x["stores"] and x["narrow_programs"] > 0 and x["narrow_walk"] == walk_on, cls.name
-            assert x["narrow_after_wide"] == after, cls.name
-            if after:
-                assert x["fused"] == merges
-                assert not merges or shared < 4096 or int(x["merge_rows"][:, 2].min()) > MERGE_CHUNK
+            assert x["narrow_after_wide"] == (relay_walk and mode.startswith("after")), cls.name
+            assert x["narrow_merge_beside"] == (relay_walk and mode == "merging-beside"), cls.name
+            if relay_walk and mode != "beside":
+                assert x["fused"] == (mode != "after"), cls.name
+                assert mode != "merging-beside" or int(x["unit_counts"][3]) == heads  # an SM a head
+                assert shared < 4096 or mode != "after-merging" or int(x["merge_rows"][:, 2].min()) > MERGE_CHUNK
             k_cache, v_cache = row.k_cache.clone(), row.v_cache.clone()
             o = be.run(row.q, row.k, row.v, k_cache, v_cache, kv_scale=row.kv_scale).float()
             again = be.run(row.q, row.k, row.v, row.k_cache.clone(), row.v_cache.clone(), kv_scale=row.kv_scale)
@@ -130,3 +139,54 @@ def test_decode_step_with_the_row_walk(dtype, batch, heads, shared, own, merges,
         assert (outs[0] - outs[1]).abs().max() <= 4 * U[dtype] * vmax, cls.name
         for a, b in zip(*caches, strict=True):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), cls.name
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
+def test_walk_beside_the_products_in_a_padded_plan(graph):
+    """A graph's plan (5 padding rows) of a step whose walk runs beside the wide units (32
+    sequences x 32 heads under 768 shared keys, 256 of their own, fp8): the wide grid stays one
+    CTA an SM, 32 of them take units, the padding rows' walk units wait for the wide launch and
+    write zeros. Run eagerly and replayed from a CUDA graph (twice, the second over a cache
+    restored), its rows equal the unpadded plan's bit for bit, and the same cache bytes (but
+    the padding rows' slot)."""
+    from prefixserve.attention.backends.relay import RelayBackend
+    from prefixserve.attention.base import PaddedRows
+    from prefixserve.bench.kernels.rows import Workload, build
+
+    row = build(Workload("test", 32, 32, 32, 128, 1024, (768,), 64, "float16", kv_dtype="fp8"), DEVICE)
+    t = row.batch.num_tokens
+    k_cache, v_cache = (torch.cat([c, torch.zeros_like(c[:1])]) for c in (row.k_cache, row.v_cache))
+    pad_slot = row.k_cache.shape[0] * row.k_cache.shape[1]
+    padded = dataclasses.replace(row.batch, padded=PaddedRows(t + 5, pad_slot))
+    q, k, v = (torch.cat([x, torch.randn(5, *x.shape[1:], device=DEVICE).to(x.dtype)]) for x in (row.q, row.k, row.v))
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    outs, caches = [], []
+    for batch in (row.batch, padded):
+        be = RelayBackend(row.shape, kernels=tops.TritonKernels(row.shape))
+        be.plan(batch)
+        x = be.current.extra
+        assert x["narrow_merge_beside"] and x["fused"] and int(x["unit_counts"][3]) == 32
+        assert x["wide_programs"] == (sms if batch is padded else 32)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        n = batch.padded.rows if batch.padded else t
+        run = functools.partial(be.run, q[:n], k[:n], v[:n], kc, vc, kv_scale=row.kv_scale)
+        if graph and batch is padded:
+            run()  # compiled and planned before the capture
+            kc.copy_(k_cache)
+            vc.copy_(v_cache)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                static = run()
+            for _ in range(2):
+                kc.copy_(k_cache)
+                vc.copy_(v_cache)
+                g.replay()
+            o = static.clone()
+        else:
+            o = run()
+        outs.append(o.float())
+        caches.append((kc, vc))
+    assert not outs[1][t:].any() and not outs[0].isnan().any()
+    assert torch.equal(outs[0], outs[1][:t])
+    for a, b in zip(*caches, strict=True):
+        assert torch.equal(a[:-1].view(torch.uint8), b[:-1].view(torch.uint8))

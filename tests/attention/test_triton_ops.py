@@ -291,7 +291,8 @@ def test_plans_take_the_row_walk_for_fp8_decode_tails(monkeypatch):
     """Where the Gluon row walk runs (made to seem so here), a decode step of G 1 over an fp8
     cache takes its narrow shape: paged (no wide units) and relay over 96 sequences (128-row
     units) beside the wide launch, relay over 24 (32-row units) after it, where its units
-    merge their rows (no merge launch); a 16-bit cache,
+    merge their rows (no merge launch), or on 16 SMs beside it on SMs of their own, merging
+    once it ends (`worklist._walk_sms`); a 16-bit cache,
     prefill rows (the position mask) and G 2 never do. The same output as the twin: on the
     CPU from the Triton kernel in the walk's shape (`hopper_rows.applies` is false there), on
     a Hopper GPU from the walk."""
@@ -310,18 +311,26 @@ def test_plans_take_the_row_walk_for_fp8_decode_tails(monkeypatch):
     def row(batch, heads, kv):
         return build(Workload("test", batch, heads, 4, 64, 300, (256,), 16, "float16", kv_dtype=kv), DEVICE)
 
-    cases = [(row(24, 4, "fp8"), PagedBackend, True), (row(96, 4, "fp8"), RelayBackend, True),
-             (row(24, 4, "fp8"), RelayBackend, True), (row(24, 4, ""), PagedBackend, False),
-             (row(24, 8, "fp8"), PagedBackend, False), (tree_case(5, torch.float16, 64, 1, 16, True), RelayBackend, False)]
-    for case, cls, on in cases:
-        backend = cls(case.shape, kernels=tops.TritonKernels(case.shape, sms=3))
+    cases = [(row(24, 4, "fp8"), PagedBackend, True, 3), (row(96, 4, "fp8"), RelayBackend, True, 3),
+             (row(24, 4, "fp8"), RelayBackend, True, 3), (row(24, 4, "fp8"), RelayBackend, True, 16),
+             (row(24, 4, ""), PagedBackend, False, 3), (row(24, 8, "fp8"), PagedBackend, False, 3),
+             (tree_case(5, torch.float16, 64, 1, 16, True), RelayBackend, False, 3)]
+    for case, cls, on, sms in cases:
+        # (the wide units in the Gluon kernel's shape -- one CTA an SM -- as on sm_90, for 16)
+        monkeypatch.setattr("prefixserve.attention.ops.triton.kernels._gluon_wide", lambda shape, chunk, s=sms: s == 16)
+        backend = cls(case.shape, kernels=tops.TritonKernels(case.shape, sms=sms))
         backend.plan(case.batch)
         x = backend.current.extra
         assert x["narrow_walk"] == on and x["narrow_programs"] > 0, (cls.name, case.shape)
         if on:
             beside = x["wide_programs"] == 0 or x["wide_block_m"] == 128
-            assert backend.kernels.launch_config(x, "narrow") == dataclasses.replace(walk, after_wide=not beside)
+            # 16 SMs: 4 for the 4 KV heads' wide units (256 keys, 5.7x a 45-key tail), 12 hold
+            # the 96 walk CTAs: the walk runs beside them, merging once they end
+            merging_beside = sms == 16
+            assert backend.kernels.launch_config(x, "narrow") == dataclasses.replace(
+                walk, after_wide=not beside and not merging_beside, merge_beside=merging_beside)
             assert x["fused"] == (not beside and x["direct"] == 0), (cls.name, case.shape)
+            assert not merging_beside or int(x["unit_counts"][3]) == x["wide_programs"] == 4
             args = (case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone())
             o = backend.run(*args, kv_scale=case.kv_scale)
             twin = cls(case.shape, kernels=ops.ReferenceKernels(case.shape))

@@ -31,7 +31,7 @@ MERGE (the narrow launch of a plan whose narrow units merge: worklist's `fused`)
 (one row) keeps its partial in registers and merges it with the row's other partials
 (scratch rows `others`, written by the wide launch: after `griddepcontrol.wait` when PDL, the
 launch having started beside the wide one, which TRIGGERs its dependents as it starts; by
-stream order where it runs after it, `after_wide`, as the fp8 row walk does), in
+stream order where it runs after it, `after_wide`, as the fp8 row walk mostly does), in
 MERGE_CHUNK partials at a time (one round trip each), writing the final row in o's dtype:
 
     (m, d, acc) = (lse_own, 1, o_own);  per chunk: m' = max(m, max_i lse_i);
@@ -443,7 +443,7 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     assert lse is None or (lse.dtype == torch.float32 and lse.shape == o.shape[:2])
     assert cfg.dynamic == (queue is not None), "a dynamic launch, and only it, takes a queue"
     assert queue is None or (queue.dtype == torch.int32 and queue.shape == (2,))
-    assert merge is None or not cfg.dynamic or (cfg.after_wide and not merge.pdl), \
+    assert merge is None or not cfg.dynamic or cfg.merge_beside or (cfg.after_wide and not merge.pdl), \
         "a merging launch that takes units from a counter runs after the wide one"
     if programs == 0:  # (the narrow class is empty when G > NARROW_ROWS)
         return

@@ -94,8 +94,9 @@ STAGES = 3  # K/V ring depth, 3 x 32 KiB + Q 32 KiB at D 128 (4: 0-6% slower, 2:
 # for one warp of the narrow launch's own shape (255 registers).
 MAXNREG = (512 - NARROW_REGS_BESIDE_GLUON) // 3 // 8 * 8
 # fp8: 3 warpgroups (rows 240 registers a thread, widen 96, load 24), 3 warps x 120 of a
-# sub-partition's 512 a warp-thread. The row walk of an fp8 step's tails runs after this CTA,
-# not beside it (`worklist.choose_configs`), so the room left is not shaped for it.
+# sub-partition's 512 a warp-thread. The row walk of an fp8 step's tails runs after this CTA
+# or on SMs without one (`worklist._walk_sms`), not beside it on its SM, so the room left is
+# not shaped for it.
 STAGES_FP8 = gl.constexpr(4)  # the e4m3 load ring: 4 x 16 KiB at D 128
 WIDEN_REGS = gl.constexpr(96)
 MAXNREG_FP8 = (240 + WIDEN_REGS.value + 24) // 3

@@ -31,11 +31,13 @@ Tiles: the cache viewed as [chunks * C, Hkv * D]; tile j of entry e: rows kv_chu
 entry's [lo, hi) scores -inf and its V row is zeroed in registers (a where: a stale NaN or inf
 cannot reach the output). STORE as in `attend`: a one-row unit's new key joins the softmax
 from registers after the walk, quantized first as the store launch quantizes it
-(`_quantize`), and is written to its slot. MERGE as in `attend` (the walk after the wide
-launch of units of <= 64 rows, `after_wide`: worklist's `fused`): a one-row unit merges its
-row with the wide units' partials, which stream order makes visible, and writes the final row
-(no merge launch; on an H200 2.1-3.5 us off each of Table 3's fp8 rows with tails:
-kernels-notes.md, issue 25 part sixteen).
+(`_quantize`), and is written to its slot. MERGE as in `attend` (the walk with the wide
+launch of units of <= 64 rows: worklist's `fused`): a one-row unit merges its row with the
+wide units' partials and writes the final row (no merge launch; on an H200 2.1-3.5 us off
+each of Table 3's fp8 rows with tails: kernels-notes.md, issue 25 part sixteen). After that
+launch (`after_wide`) stream order makes them visible; beside it (PDL, `merge_beside`: the
+wide units on SMs of their own, `worklist._walk_sms`) a unit waits for its end
+(`griddepcontrol.wait`) once it has walked its tail, before the merge.
 
 Gluon does not run in Triton's interpreter: tested on the GPU against the twin
 (tests/attention/test_hopper_rows.py); CI tests the twin and the Triton kernel.
@@ -112,7 +114,7 @@ def _rows_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
                  stride_lp, scale_log2, chunk_size, HKV: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BLOCK_N: gl.constexpr, TPE: gl.constexpr, STAGES: gl.constexpr,
                  WRITE_LSE: gl.constexpr, STORE: gl.constexpr, DYNAMIC: gl.constexpr,
-                 MERGE: gl.constexpr, CHUNK: gl.constexpr):
+                 MERGE: gl.constexpr, PDL: gl.constexpr, CHUNK: gl.constexpr):
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -208,6 +210,9 @@ def _rows_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
             out = gl.load(units + u * 6 + 4).to(gl.int64) + r
             if MERGE:  # (a one-row unit) the final row, its other partials, then (o, lse) of it
                 out = gl.load(fused + u * 3).to(gl.int64)
+                if PDL:  # started beside the wide launch: its partials once it has ended
+                    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                                              is_pure=False, pack=1)
                 o_row, ln_l = _merge_row(o_row, ln_l, gl.load(fused + u * 3 + 1), gl.load(fused + u * 3 + 2),
                                          others, o_parts, lse_parts, stride_pt, stride_lp, h, c, HEAD_DIM, CHUNK)
             gl.store(o + out * stride_ot + h * HEAD_DIM + c, o_row.to(o.dtype.element_ty))
@@ -261,7 +266,7 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
     """`attend.launch_units` for a narrow launch that `applies`: the first count[0] units on a
     persistent grid of `programs` one-warp CTAs, tiles of `block_n` keys in a `stages`-deep
     ring, at most `maxnreg` registers a thread. merge: its units merge their rows (o, lse:
-    the final rows), after the wide launch (not by PDL)."""
+    the final rows) with the wide launch's partials -- started beside it by PDL if merge.pdl."""
     n_chunks, chunk_size, hkv, d = k_cache.shape
     assert k_cache.dtype == FP8 and kv_scale is not None
     layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.float8e4nv)
@@ -271,7 +276,8 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
     assert q.stride(-1) == 1 and q.stride(1) == d and o.stride(-1) == 1 and o.stride(1) == d
     assert k_new.stride(-1) == 1 and k_new.stride(1) == d and v_new.stride(-1) == 1 and v_new.stride(1) == d
     if merge is not None:
-        assert not merge.pdl and merge.o_parts.stride(1) == d and merge.o_parts.stride(-1) == 1
+        assert merge.o_parts.stride(1) == d and merge.o_parts.stride(-1) == 1
+    pdl = merge is not None and merge.pdl
     fused, others, o_parts, lse_parts = ((merge.rows, merge.others, merge.o_parts, merge.lse_parts)
                                          if merge else (units, units, o, o))
     _rows_kernel[(programs,)](
@@ -282,4 +288,5 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
         o_parts.stride(0), lse_parts.stride(0), scale * 1.4426950408889634, chunk_size, HKV=hkv,
         HEAD_DIM=d, BLOCK_N=block_n, TPE=chunk_size // block_n, STAGES=stages,
         WRITE_LSE=lse is not None, STORE=new_kv is not None, DYNAMIC=queue is not None,
-        MERGE=merge is not None, CHUNK=MERGE_CHUNK, num_warps=1, maxnreg=maxnreg)
+        MERGE=merge is not None, PDL=pdl, CHUNK=MERGE_CHUNK, num_warps=1, maxnreg=maxnreg,
+        **({"launch_pdl": True} if pdl else {}))

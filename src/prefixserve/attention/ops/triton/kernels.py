@@ -57,8 +57,9 @@ class TritonKernels:
         # classes run concurrently; a class's launches run one after another on its stream)
         self.queues = torch.zeros((2, 2), dtype=torch.int32, device=shape.device)
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
-        # what a padded plan bakes into its graph besides shapes: stores (any, narrow, wide), fused
-        self._padded_baked: tuple[bool, bool, bool, bool] | None = None
+        # what a padded plan bakes into its graph besides shapes: stores (any, narrow, wide), fused,
+        # the narrow launch beside the wide one (`merge_beside`)
+        self._padded_baked: tuple[bool, bool, bool, bool, bool] | None = None
 
     def plan_extra(self, batch: AttentionBatch, arrays: HostArrays) -> HostExtras:
         """Work list of a plan's index arrays: device arrays `narrow`, `wide` (units),
@@ -95,14 +96,17 @@ class TritonKernels:
                             kv_chunk=required(arrays, "kv_chunk"),
                             force_merge=padded)
         assert not (padded and any(wl.causal)), "a padded (graph) step must be a decode step"
+        if configs[0].after_wide and wl.wide_sms < self.sms:  # the walk beside the wide units after all
+            configs = (dataclasses.replace(configs[0], after_wide=False, merge_beside=True), configs[1])
         stores = (wl.stores, bool(wl.stores and (wl.narrow[:, 5] != -1).any()),
                   bool(wl.stores and (wl.wide[:, 5] != -1).any()))  # (any, narrow, wide)
         if padded:
             self._reserve_scratch(wl.num_partials)
             # (fixed in practice: decode tails are narrow units iff G <= 16; the narrow units
             # merge unless a row's tail is split)
-            if (*stores, wl.fused is not None) != self._padded_baked:
-                self._padded_baked = (*stores, wl.fused is not None)
+            baked = (*stores, wl.fused is not None, configs[0].merge_beside)
+            if baked != self._padded_baked:
+                self._padded_baked = baked
                 self.generation += 1
         shapes = {f"{c}_{f.name}": getattr(cfg, f.name) for c, cfg in zip(("narrow", "wide"), configs, strict=True)
                   for f in _SHAPE_FIELDS}

@@ -78,7 +78,12 @@ padding) get a unit with no keys, which writes their zeros. Not where the narrow
 units from a counter beside the products (beside the 128-row ones: a unit waiting for their
 end would hold its program's room while units are left to walk, and the tails would stop
 streaming under them); where it runs after them (`after_wide`: the row walk after units of <=
-64 rows) it waits for nothing, and stream order orders the reads.
+64 rows) it waits for nothing, and stream order orders the reads. Where those units walk at
+least _BESIDE_KEYS x a tail's keys, the walk runs beside them instead (`_walk_sms`,
+`merge_beside`): each wide item on an SM of its own, unsplit, the walk's CTAs on the others,
+all resident at once, each waiting for the wide launch's end only to merge (on an H200, Table
+3's fp8 rows with 3x as many shared keys as own took 4-14% less time: issue 25 part
+twenty-three).
 """
 
 from __future__ import annotations
@@ -107,6 +112,8 @@ class KernelConfig:
     dynamic: bool = False  # programs take units from a device counter, not a fixed stride
     walk: bool = False  # a narrow launch of G 1 over fp8, no position mask: the Gluon row walk (`hopper_rows`)
     after_wide: bool = False  # a narrow launch: runs after the wide one on its stream, not beside it
+    # (a plan may put such a walk beside the wide units after all, `_walk_sms`: then instead)
+    merge_beside: bool = False  # a narrow launch beside the wide one (PDL) whose units merge once it ends
 
 
 NARROW_ROWS = 16  # items with q_len * G <= this run in the narrow launch (decode tails)
@@ -159,7 +166,8 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     Table 3's rows with tails took 4-15% longer than with the Triton narrow kernel, after them
     1-22% less: issue 25 part fourteen; beside the Gluon CTA over fp8, with room for 2-6 walk
     CTAs an SM, 12-33% longer than after it: part fifteen; after it, its units merge their rows:
-    `fused`; started early by PDL instead, 10-37% longer: part sixteen). Not
+    `fused`; started early by PDL instead, 10-37% longer: part sixteen -- unless the plan
+    gives the wide units SMs of their own, `_walk_sms`: part twenty-three). Not
     taken over 16-bit caches (paged decode within 0.6%; the engine's 1,024 x 16K step 1-4%
     slower, though that step's attention launches alone measured 2-13% faster at 9 of 10 tail
     lengths).
@@ -265,6 +273,15 @@ _NOISE = 0.02  # estimates this close are equal (b256 x 2K shared keys: 48 SMs e
 # than 64, measured 2% later)
 
 
+# The fp8 row walk beside the Gluon wide units of <= 64 rows (`_walk_sms`), measured on an H200
+# (issue 25 part twenty-three). A walk CTA that has walked its tail waits for the wide launch's
+# end to merge its row, holding its room: every one must be resident at once, or the rest walk
+# their tails after the products, at a lone CTA's latency.
+_WALKS_AN_SM = 13  # walk CTAs a free SM holds (shared memory: a 16 KB ring and 1 KB each)
+_BESIDE_KEYS = 2  # beside where a wide item walks this many times a tail's keys: at 3x, 4-14% off
+# Table 3's fp8 steps; at 1x, +3% to -5%
+
+
 def _wide_sms(q_len: np.ndarray, num_entries: np.ndarray, cfg: KernelConfig, group: int, num_kv_heads: int,
               chunk_pad: int, itemsize: int, num_sms: int, narrow_tiles: float) -> int:
     """The SMs to balance the wide units over where they run beside `narrow_tiles` narrow
@@ -291,6 +308,21 @@ def _wide_sms(q_len: np.ndarray, num_entries: np.ndarray, cfg: KernelConfig, gro
     # fewer SMs end it no sooner), if that ends it sooner than all
     sms = max(sms for sms, t in ends.items() if t <= (1 + _NOISE) * best)
     return sms if ends[sms] <= (1 - _MIN_GAIN) * ends[num_sms] else num_sms
+
+
+def _walk_sms(wide_blocks: int, wide_keys: float, narrow_keys: float, num_rows: int, num_kv_heads: int,
+              num_sms: int) -> int:
+    """The SMs of the Gluon wide units of <= 64 rows where the fp8 row walk runs beside them
+    (`merge_beside`), or num_sms where it runs after them (`after_wide`): beside, each of the
+    `wide_blocks` row blocks x KV heads on an SM of its own, unsplit, where a wide item walks
+    _BESIDE_KEYS x the keys of a tail or more (`wide_keys`, `narrow_keys`: the means) and the
+    other SMs hold a walk CTA for every final row x KV head at once (the merging walk has one
+    for each: its tail's unit, or a graph's padding row's)."""
+    items = wide_blocks * num_kv_heads
+    if (items <= num_sms // 2 and wide_keys >= _BESIDE_KEYS * narrow_keys
+            and num_rows * num_kv_heads <= (num_sms - items) * _WALKS_AN_SM):
+        return items
+    return num_sms
 
 
 def _item_keys(slots: np.ndarray, kv_indptr: np.ndarray,
@@ -357,9 +389,18 @@ def build_worklist(q_start: npt.ArrayLike, q_len: npt.ArrayLike, out_start: npt.
         keys = _item_keys(num_entries * pad, kv_indptr, positions)[~is_wide].sum()
         wide_sms = _wide_sms(q_len[is_wide], num_entries[is_wide], wide_cfg, group, num_kv_heads, pad,
                              itemsize, num_sms, int(keys) * num_kv_heads / narrow_cfg.block_n)
-    for (cls, cfg), sms in zip(classes, (num_sms, wide_sms), strict=True):
-        entries[cls], num_splits[cls] = _splits(q_len[cls], num_entries[cls], cfg, group,
-                                                num_kv_heads, pad, itemsize, sms)
+    narrow_cls = ~is_wide
+    entries[narrow_cls], num_splits[narrow_cls] = _splits(q_len[narrow_cls], num_entries[narrow_cls], narrow_cfg,
+                                                          group, num_kv_heads, pad, itemsize, num_sms)
+    # the fp8 row walk after Gluon units of <= 64 rows: beside them instead where that pays
+    if (narrow_cfg.after_wide and wide_cfg.programs_per_sm == 1 and is_wide.any() and narrow_cls.any()
+            and (q_len[narrow_cls] == 1).all() and (num_splits[narrow_cls] == 1).all()):
+        keys = _item_keys(num_entries * pad, kv_indptr, positions)
+        blocks = -(-q_len[is_wide] // max(1, wide_cfg.block_m // group))
+        wide_sms = _walk_sms(int(blocks.sum()), float((blocks * keys[is_wide]).sum() / blocks.sum()),
+                             float(keys[narrow_cls].mean()), num_rows, num_kv_heads, num_sms)
+    entries[is_wide], num_splits[is_wide] = _splits(q_len[is_wide], num_entries[is_wide], wide_cfg, group,
+                                                    num_kv_heads, pad, itemsize, wide_sms)
     # scratch rows: the splits' own partial rows (also a no-merge schedule's, when forced)
     scratch = bool((num_splits > 1).any()) or (force_merge and row_indptr is None)
     base = _csr(num_splits * q_len)[:-1] if scratch else out_start
@@ -384,7 +425,7 @@ def build_worklist(q_start: npt.ArrayLike, q_len: npt.ArrayLike, out_start: npt.
         row_of = np.repeat(np.arange(len(indptr) - 1), np.diff(indptr))
         indptr, parts = _csr(np.bincount(row_of[keep], minlength=len(indptr) - 1)), parts[keep]
         narrow = narrow[:0]
-    beside = configs[0].dynamic and not configs[0].after_wide
+    beside = configs[0].dynamic and not configs[0].after_wide and not configs[0].merge_beside
     fused = None if beside else _fused_merge(narrow, indptr, parts, num_partials)
     if fused is None:
         return WorkList(narrow, wide, num_partials, indptr, parts, direct=False, causal=causal,
