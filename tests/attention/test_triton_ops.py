@@ -38,6 +38,7 @@ from prefixserve.attention.backends.relay import RelayBackend  # noqa: E402
 from prefixserve.attention.base import PaddedRows  # noqa: E402
 from prefixserve.attention.ops import reference  # noqa: E402
 from prefixserve.attention.ops import triton as tops  # noqa: E402
+from prefixserve.attention.ops.triton import worklist  # noqa: E402
 from prefixserve.attention.ops.triton.worklist import (  # noqa: E402
     NARROW_REGS_BESIDE_GLUON,
     NARROW_ROWS,
@@ -285,6 +286,20 @@ def test_launch_shapes_follow_the_kernel_that_runs_the_wide_units(monkeypatch):
         assert gluon != triton
         chosen = (kernels.launch_config(x, "narrow"), kernels.launch_config(x, "wide"))
         assert chosen == (gluon if gluon_shapes else triton)
+
+
+def test_walk_beside_the_products_where_it_pays():
+    """`worklist._walk_sms` on Table 3's fp8 rows (32 sequences x 32 heads, 32-row wide units)
+    and an H200's 132 SMs: the walk beside the wide units, each on an SM of its own, where
+    they walk 3x a tail's keys; after them at 1x; after them where the walk's CTAs would not
+    all fit on the other SMs (64 sequences: 2,048) or the wide items need more than half the
+    SMs; and never for tails of their new keys alone (a step after a shared prompt: the wide
+    units take those keys, split over every SM)."""
+    assert worklist._walk_sms(1, 768, 257, 32, 32, 132) == 32
+    assert worklist._walk_sms(1, 1024, 1025, 32, 32, 132) == 132
+    assert worklist._walk_sms(1, 1024, 1, 32, 32, 132) == 132
+    assert worklist._walk_sms(1, 768, 257, 64, 32, 132) == 132
+    assert worklist._walk_sms(3, 768, 257, 32, 32, 132) == 132
 
 
 def test_plans_take_the_row_walk_for_fp8_decode_tails(monkeypatch):

@@ -317,9 +317,11 @@ def _walk_sms(wide_blocks: int, wide_keys: float, narrow_keys: float, num_rows: 
     `wide_blocks` row blocks x KV heads on an SM of its own, unsplit, where a wide item walks
     _BESIDE_KEYS x the keys of a tail or more (`wide_keys`, `narrow_keys`: the means) and the
     other SMs hold a walk CTA for every final row x KV head at once (the merging walk has one
-    for each: its tail's unit, or a graph's padding row's)."""
+    for each: its tail's unit, or a graph's padding row's). Tails of their new keys alone
+    (`narrow_keys` 1: a step after a shared prompt) are the wide units' to take, split over
+    every SM (`_absorb_keys`): not these."""
     items = wide_blocks * num_kv_heads
-    if (items <= num_sms // 2 and wide_keys >= _BESIDE_KEYS * narrow_keys
+    if (items <= num_sms // 2 and 1 < narrow_keys and wide_keys >= _BESIDE_KEYS * narrow_keys
             and num_rows * num_kv_heads <= (num_sms - items) * _WALKS_AN_SM):
         return items
     return num_sms
