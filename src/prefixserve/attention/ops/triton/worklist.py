@@ -112,7 +112,7 @@ class KernelConfig:
     dynamic: bool = False  # programs take units from a device counter, not a fixed stride
     walk: bool = False  # a narrow launch of G 1 over fp8, no position mask: the Gluon row walk (`hopper_rows`)
     after_wide: bool = False  # a narrow launch: runs after the wide one on its stream, not beside it
-    # (a plan may put such a walk beside the wide units after all, `_walk_sms`: then instead)
+    # (unless the plan gives the wide units SMs of their own, `_walk_sms`: then merge_beside instead)
     merge_beside: bool = False  # a narrow launch beside the wide one (PDL) whose units merge once it ends
 
 
@@ -204,7 +204,7 @@ class WorkList:
     direct: bool  # no merge: units write final rows (out_row indexes the output)
     causal: tuple[bool, bool]  # (narrow, wide): some row precedes one of its unit's keys
     stores: bool  # units write every row's new key (store != -1, see above); no store launch
-    wide_sms: int  # the SMs the wide units are balanced over (fewer than all: `_wide_sms`)
+    wide_sms: int  # the SMs the wide units are balanced over (fewer than all: `_wide_sms`, `_walk_sms`)
     fused: np.ndarray | None = None  # [Un, 3]: each narrow unit's (final row, others start,
     # count), where the narrow units merge (see above; narrow then ends in the padding rows' units)
     others: np.ndarray | None = None  # [M]: the scratch rows a narrow unit merges with its own
