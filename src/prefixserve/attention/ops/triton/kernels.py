@@ -103,7 +103,8 @@ class TritonKernels:
         if padded:
             self._reserve_scratch(wl.num_partials)
             # (fixed in practice: decode tails are narrow units iff G <= 16; the narrow units
-            # merge unless a row's tail is split)
+            # merge unless a row's tail is split; the walk beside flips as the tails outgrow
+            # half the shared keys -- about once in a batch's life, each flip one more capture)
             baked = (*stores, wl.fused is not None, configs[0].merge_beside)
             if baked != self._padded_baked:
                 self._padded_baked = baked
