@@ -20,6 +20,9 @@ them), each row of a unit's one walk over its tiles, with
                  of two: exact): a lane holds 8 contiguous D values of BLOCK_N / 4
                  keys (layout KL), scores s = q . k reduced over 8 lanes, the online softmax
                  in base 2, acc += p v -- a short chain of FMAs a tile, no P layout change
+                 (the loop is bound by its latency, not its issue: the scores by mma, 18%
+                 fewer instructions, measured no faster; kernels-notes.md, issue 25 part
+                 twenty-four)
 
 Measured on an H200 against the Triton narrow launch (kernels-notes.md, issue 25 part nine):
 where a plan takes it and where not is `worklist.choose_configs`'s. Over a 16-bit cache the
