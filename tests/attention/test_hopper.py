@@ -231,9 +231,10 @@ def test_decode_step_with_gluon_wide_units_over_fp8(dtype, batch, heads, kv_head
                          ids=["two-row-groups", "one-row-group"])
 def test_decode_step_with_gluon_wide_units(dtype, batch, kv_heads, block_m):
     """A decode step whose shared prefix makes wide units (128 rows: 96 sequences x G 4; 32:
-    24 x G 1): relay and hydragen run them in the Gluon kernel, beside the narrow units
-    (Triton) that write the new keys -- at 128 rows in the shape that fits beside it, taking
-    units from a counter; paged (narrow units only) runs Triton alone. The three agree, the
+    24 x G 1): relay and hydragen run them in the Gluon kernel, beside the narrow units that
+    write the new keys (Triton) -- at 128 rows in the shape that fits beside it, taking units
+    from a counter; at 32 rows (G 1) in its own shape, not the row walk, as its 384 tails are
+    split over the SMs; paged (narrow units only) runs Triton alone. The three agree, the
     cache holds the new keys after each, and a second run gives the same output (the counter
     is back at 0)."""
     from prefixserve.attention.backends.hydragen import HydragenBackend
@@ -251,7 +252,7 @@ def test_decode_step_with_gluon_wide_units(dtype, batch, kv_heads, block_m):
         if cls is not PagedBackend:  # Gluon applies, stores folded
             assert x["stores"] and x["wide_block_m"] == block_m and x["narrow_programs"] > 0
             beside = block_m == 128
-            assert x["narrow_dynamic"] == beside
+            assert x["narrow_dynamic"] == beside and not x["narrow_walk"]
             assert x["narrow_maxnreg"] == (NARROW_REGS_BESIDE_GLUON if beside else 0)
             # a sub-partition's 512 registers a warp-thread: 3 of the CTA's warps and 1 narrow warp
             assert 3 * hopper.MAXNREG + NARROW_REGS_BESIDE_GLUON <= 512

@@ -5,10 +5,10 @@ Gluon does not run in Triton's interpreter, so these tests run only on a Hopper 
 (PREFIXSERVE_TRITON_TEST_DEVICE=cuda on the lent H100 / H200); CI runs the twin's and the
 Triton kernel's tests, and the plan's choice of the walk (test_triton_ops).
 
-The problems are narrow units of G 1 (one query head a KV head) over fp8 caches: one-row units
-and units of up to 16 rows (each row walks the unit's tiles), entries that start and end inside
-chunks, NaN in every slot no entry covers; then whole decode steps, whose units write their
-rows' new keys.
+The problems are narrow units of G 1 (one query head a KV head) over fp8 and 16-bit caches:
+one-row units and units of up to 16 rows (each row walks the unit's tiles), entries that start
+and end inside chunks, NaN in every slot no entry covers; then whole decode steps, whose units
+write their rows' new keys.
 """
 
 from __future__ import annotations
@@ -60,15 +60,21 @@ CASES = [  # (dtype, Hkv, D, chunk, items)
 @pytest.mark.parametrize("dtype,hkv,d,chunk,items", CASES)
 @pytest.mark.parametrize("sms", [None, 3], ids=["whole-items", "split-k"])
 @pytest.mark.parametrize("dynamic", [True, False], ids=["counter", "stride"])
-def test_row_walk_matches_twin(dtype, hkv, d, chunk, items, sms, dynamic):
-    args, num_rows, kv_scale = narrow_items(len(items) + d + chunk, dtype, hkv, d, chunk, items)
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "16-bit"])
+def test_row_walk_matches_twin(dtype, hkv, d, chunk, items, sms, dynamic, fp8):
+    seed = len(items) + d + chunk
+    if fp8:
+        args, num_rows, kv_scale = narrow_items(seed, dtype, hkv, d, chunk, items)
+        values = args[2].float() * kv_scale[reference.V_SCALE][None, None, :, None]
+    else:
+        (args, num_rows), kv_scale = shared_items(seed, dtype, hkv, 1, d, chunk, items), None
+        values = args[2].float()
     dev = [x.to(DEVICE) for x in args]
-    ks = kv_scale.to(DEVICE)
-    walk = dataclasses.replace(choose_configs(0, d, dtype.itemsize, fp8=True, walk=True)[0], dynamic=dynamic)
+    ks = None if kv_scale is None else kv_scale.to(DEVICE)
+    walk = dataclasses.replace(choose_configs(0, d, dtype.itemsize, fp8=True, walk=True)[0], dynamic=dynamic,
+                               block_n=4096 // (d * args[1].element_size()))  # 4 KB K tiles
     assert walk.walk and rows_walk.applies(dev[0], dev[1], walk.block_n, False, None)
-    assert not rows_walk.applies(dev[0], dev[1].to(dtype), walk.block_n, False, None)  # 16-bit: Triton
     o_ref, lse_ref = reference.attend_items(*args, 1.0 / d**0.5, num_rows, kv_scale=kv_scale)
-    values = args[2].float() * kv_scale[reference.V_SCALE][None, None, :, None]
     vmax = values.nan_to_num(0).abs().max()
     results = []
     for narrow in (walk, TRITON_NARROW):  # the walk, then the Triton kernel it replaces
@@ -80,13 +86,14 @@ def test_row_walk_matches_twin(dtype, hkv, d, chunk, items, sms, dynamic):
     assert (results[0] - results[1]).abs().max() <= 2 * U[dtype] * vmax
 
 
+@pytest.mark.parametrize("kv", ["fp8", ""], ids=["fp8", "16-bit"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("batch,heads,shared,own,mode", [
     (96, 8, 512, 188, "beside"), (20, 8, 512, 188, "after"), (32, 32, 512, 188, "after-merging"),
     (40, 4, 4096, 40, "after-merging"), (32, 32, 768, 256, "merging-beside"), (40, 4, 4096, 40, "merging-beside")],
     ids=["beside-128-row-products", "after-32-row-products", "after-merging", "after-merging-many-partials",
          "merging-beside-32-row-products", "merging-beside-on-4-sms"])
-def test_decode_step_with_the_row_walk(dtype, batch, heads, shared, own, mode, monkeypatch):
+def test_decode_step_with_the_row_walk(dtype, batch, heads, shared, own, mode, kv, monkeypatch):
     """A decode step of G 1 over an fp8 cache: paged (narrow units only) and relay (96
     sequences under a shared prefix: 128-row wide units, the walk beside them; 20-40: 32- and
     64-row wide units, which the walk follows on their stream -- or, where their items walk at
@@ -95,9 +102,10 @@ def test_decode_step_with_the_row_walk(dtype, batch, heads, shared, own, mode, m
     new keys (quantized). Where each row's tail is one unit (20 x 8 heads splits the tails)
     the walk merges its rows with the wide units' partials: after them, more than MERGE_CHUNK
     of them a row under 4,096 shared keys over 4 heads; beside them, once they end (PDL).
-    Every step over a 16-bit cache keeps the Triton narrow launch. The same output as with the
-    walk off (within the Triton kernel's 16-bit P), the same cache bytes, and a second run
-    gives the same output (the walk's item counter is back at 0)."""
+    Over a 16-bit cache only relay's steps beside the products on SMs of their own take the
+    walk (it writes the new keys as they are); the others keep the Triton narrow launch. The
+    same output as with the walk off (within the Triton kernel's 16-bit P), the same cache
+    bytes, and a second run gives the same output (the walk's item counter is back at 0)."""
     from prefixserve.attention.backends.paged import PagedBackend
     from prefixserve.attention.backends.relay import RelayBackend
     from prefixserve.attention.ops.triton import kernels as tk
@@ -112,7 +120,7 @@ def test_decode_step_with_the_row_walk(dtype, batch, heads, shared, own, mode, m
     be = PagedBackend(row16.shape, kernels=tops.TritonKernels(row16.shape))
     be.plan(row16.batch)
     assert not be.current.extra["narrow_walk"]
-    row = build(Workload("test", batch, heads, heads, 128, context, (shared,), 64, name, kv_dtype="fp8"), DEVICE)
+    row = build(Workload("test", batch, heads, heads, 128, context, (shared,), 64, name, kv_dtype=kv), DEVICE)
     vmax = row.vmax
     for cls in (PagedBackend, RelayBackend):
         outs, caches = [], []
@@ -121,8 +129,9 @@ def test_decode_step_with_the_row_walk(dtype, batch, heads, shared, own, mode, m
             be = cls(row.shape, kernels=tops.TritonKernels(row.shape))
             be.plan(row.batch)
             x = be.current.extra
-            relay_walk = walk_on and cls is RelayBackend
-            assert x["stores"] and x["narrow_programs"] > 0 and x["narrow_walk"] == walk_on, cls.name
+            walks = walk_on and (kv == "fp8" or cls is RelayBackend and mode == "merging-beside")
+            relay_walk = walks and cls is RelayBackend
+            assert x["stores"] and x["narrow_programs"] > 0 and x["narrow_walk"] == walks, cls.name
             assert x["narrow_after_wide"] == (relay_walk and mode.startswith("after")), cls.name
             assert x["narrow_merge_beside"] == (relay_walk and mode == "merging-beside"), cls.name
             if relay_walk and mode != "beside":
@@ -141,10 +150,11 @@ def test_decode_step_with_the_row_walk(dtype, batch, heads, shared, own, mode, m
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), cls.name
 
 
+@pytest.mark.parametrize("kv", ["fp8", ""], ids=["fp8", "16-bit"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
-def test_walk_beside_the_products_in_a_padded_plan(graph):
+def test_walk_beside_the_products_in_a_padded_plan(graph, kv):
     """A graph's plan (5 padding rows) of a step whose walk runs beside the wide units (32
-    sequences x 32 heads under 768 shared keys, 256 of their own, fp8): the wide grid stays one
+    sequences x 32 heads under 768 shared keys, 256 of their own, fp8 or 16-bit): the wide grid stays one
     CTA an SM, 32 of them take units, the padding rows' walk units wait for the wide launch and
     write zeros. Run eagerly and replayed from a CUDA graph (twice, the second over a cache
     restored), its rows equal the unpadded plan's bit for bit, and the same cache bytes (but
@@ -153,7 +163,7 @@ def test_walk_beside_the_products_in_a_padded_plan(graph):
     from prefixserve.attention.base import PaddedRows
     from prefixserve.bench.kernels.rows import Workload, build
 
-    row = build(Workload("test", 32, 32, 32, 128, 1024, (768,), 64, "float16", kv_dtype="fp8"), DEVICE)
+    row = build(Workload("test", 32, 32, 32, 128, 1024, (768,), 64, "float16", kv_dtype=kv), DEVICE)
     t = row.batch.num_tokens
     k_cache, v_cache = (torch.cat([c, torch.zeros_like(c[:1])]) for c in (row.k_cache, row.v_cache))
     pad_slot = row.k_cache.shape[0] * row.k_cache.shape[1]

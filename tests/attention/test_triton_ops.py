@@ -302,15 +302,17 @@ def test_walk_beside_the_products_where_it_pays():
     assert worklist._walk_sms(3, 768, 257, 32, 32, 132) == 132
 
 
-def test_plans_take_the_row_walk_for_fp8_decode_tails(monkeypatch):
+def test_plans_take_the_row_walk_for_decode_tails(monkeypatch):
     """Where the Gluon row walk runs (made to seem so here), a decode step of G 1 over an fp8
     cache takes its narrow shape: paged (no wide units) and relay over 96 sequences (128-row
     units) beside the wide launch, relay over 24 (32-row units) after it, where its units
     merge their rows (no merge launch), or on 16 SMs beside it on SMs of their own, merging
-    once it ends (`worklist._walk_sms`); a 16-bit cache,
-    prefill rows (the position mask) and G 2 never do. The same output as the twin: on the
-    CPU from the Triton kernel in the walk's shape (`hopper_rows.applies` is false there), on
-    a Hopper GPU from the walk."""
+    once it ends (`worklist._walk_sms`). Over a 16-bit cache only the last: relay over 24
+    sequences on 16 SMs, not where the tails outgrow half the shared keys (then the Triton
+    kernel's shape, as without Gluon on 3 SMs or without wide units). Prefill rows (the
+    position mask) and G 2 never do. The same output as the twin: on the CPU from the Triton
+    kernel in the walk's shape (`hopper_rows.applies` is false there), on a Hopper GPU from
+    the walk."""
     from prefixserve.bench.kernels.rows import Workload, build
 
     monkeypatch.setattr("prefixserve.attention.ops.triton.kernels._gluon_rows", lambda shape: True)
@@ -322,13 +324,19 @@ def test_plans_take_the_row_walk_for_fp8_decode_tails(monkeypatch):
     assert not choose_configs(4096, 128, 2, fp8=True, walk=True)[0].after_wide
     assert not choose_configs(0, 128, 2, fp8=True, walk=True)[0].after_wide
     assert not choose_configs(0, 128, 2, walk=True)[0].walk
+    # over a 16-bit cache: beside Gluon units of <= 64 rows only (16 keys of 128 dims a 4 KB tile)
+    assert choose_configs(32, 128, 2, gluon=True, walk=True)[0] == dataclasses.replace(after, block_n=16)
+    assert not choose_configs(32, 128, 2, walk=True)[0].walk
+    assert not choose_configs(4096, 128, 2, gluon=True, walk=True)[0].walk
 
-    def row(batch, heads, kv):
-        return build(Workload("test", batch, heads, 4, 64, 300, (256,), 16, "float16", kv_dtype=kv), DEVICE)
+    def row(batch, heads, kv, context=300):
+        return build(Workload("test", batch, heads, 4, 64, context, (256,), 16, "float16", kv_dtype=kv), DEVICE)
 
     cases = [(row(24, 4, "fp8"), PagedBackend, True, 3), (row(96, 4, "fp8"), RelayBackend, True, 3),
              (row(24, 4, "fp8"), RelayBackend, True, 3), (row(24, 4, "fp8"), RelayBackend, True, 16),
-             (row(24, 4, ""), PagedBackend, False, 3), (row(24, 8, "fp8"), PagedBackend, False, 3),
+             (row(24, 4, ""), RelayBackend, True, 16), (row(24, 4, "", context=600), RelayBackend, False, 16),
+             (row(24, 4, ""), RelayBackend, False, 3), (row(24, 4, ""), PagedBackend, False, 3),
+             (row(24, 8, "fp8"), PagedBackend, False, 3),
              (tree_case(5, torch.float16, 64, 1, 16, True), RelayBackend, False, 3)]
     for case, cls, on, sms in cases:
         # (the wide units in the Gluon kernel's shape -- one CTA an SM -- as on sm_90, for 16)
@@ -343,7 +351,8 @@ def test_plans_take_the_row_walk_for_fp8_decode_tails(monkeypatch):
             # the 96 walk CTAs: the walk runs beside them, merging once they end
             merging_beside = sms == 16
             assert backend.kernels.launch_config(x, "narrow") == dataclasses.replace(
-                walk, after_wide=not beside and not merging_beside, merge_beside=merging_beside)
+                walk, block_n=64 if case.k_cache.dtype == reference.FP8 else 32, after_wide=not beside and not merging_beside,
+                merge_beside=merging_beside)
             assert x["fused"] == (not beside and x["direct"] == 0), (cls.name, case.shape)
             assert not merging_beside or int(x["unit_counts"][3]) == x["wide_programs"] == 4
             args = (case.q, case.k, case.v, case.k_cache.clone(), case.v_cache.clone())

@@ -1,8 +1,9 @@
-"""The narrow attend launch of an fp8 cache's decode step on Hopper (sm_90), in Gluon: a row walk.
+"""The narrow attend launch of a decode step on Hopper (sm_90), in Gluon: a row walk.
 
 The same function as `attend._attend_kernel` over the narrow units of a step with one query
 head a KV head (G = 1: Llama-2-7B, CodeLlama-13B), no position mask (decode) and an fp8 KV
-cache, twin `ops.reference.attend_items`. Such a unit has 1-16 rows, mostly 1 (a sequence's own tail):
+cache -- or a 16-bit one where the walk runs beside the shared products (below) --, twin
+`ops.reference.attend_items`. Such a unit has 1-16 rows, mostly 1 (a sequence's own tail):
 it fills 1 of the 16 rows of the Triton kernel's narrow tile, where the tensor cores buy
 nothing and a program walks one tile at a time, its loads behind its math. Here each CTA is
 one warp (8 an SM; 89-128 registers a thread and 16 KB of shared memory, so that they also
@@ -17,7 +18,7 @@ them), each row of a unit's one walk over its tiles, with
                  item's first tiles load under this one's last
     the math     on CUDA cores in fp32, the e4m3 values widened in registers (exactly), the
                  head's K scale in the score scale and its V scale on the output (powers
-                 of two: exact): a lane holds 8 contiguous D values of BLOCK_N / 4
+                 of two: exact; FP8 false: a 16-bit cache, no scales): a lane holds 8 contiguous D values of BLOCK_N / 4
                  keys (layout KL), scores s = q . k reduced over 8 lanes, the online softmax
                  in base 2, acc += p v -- a short chain of FMAs a tile, no P layout change
                  (the loop is bound by its latency, not its issue: the scores by mma, 18%
@@ -26,15 +27,17 @@ them), each row of a unit's one walk over its tiles, with
 
 Measured on an H200 against the Triton narrow launch (kernels-notes.md, issue 25 part nine):
 where a plan takes it and where not is `worklist.choose_configs`'s. Over a 16-bit cache the
-same walk measured within 0.6% of the Triton kernel on paged decode and made the engine's
-1,024 x 16K step 1-4% slower, so it reads fp8 caches only.
+same walk measured within 0.6% of the Triton kernel on paged decode, made the engine's
+1,024 x 16K step 1-4% slower and Table 3's rows with tails 1-5% slower after the products,
+so it reads a 16-bit cache only beside them, on SMs of their own (`merge_beside`: Table 3's
+rows whose shared keys are 3x a tail's 1-11% faster; issue 25 part twenty-four).
 
 Tiles: the cache viewed as [chunks * C, Hkv * D]; tile j of entry e: rows kv_chunk[e] * C +
 (j % TPE) * BLOCK_N, + BLOCK_N (TPE = C // BLOCK_N), columns h * D, + D. A slot outside the
 entry's [lo, hi) scores -inf and its V row is zeroed in registers (a where: a stale NaN or inf
 cannot reach the output). STORE as in `attend`: a one-row unit's new key joins the softmax
-from registers after the walk, quantized first as the store launch quantizes it
-(`_quantize`), and is written to its slot. MERGE as in `attend` (the walk with the wide
+from registers after the walk (over fp8 quantized first, as the store launch quantizes it:
+`_quantize`), and is written to its slot. MERGE as in `attend` (the walk with the wide
 launch of units of <= 64 rows: worklist's `fused`): a one-row unit merges its row with the
 wide units' partials and writes the final row (no merge launch; on an H200 2.1-3.5 us off
 each of Table 3's fp8 rows with tails: kernels-notes.md, issue 25 part sixteen). After that
@@ -66,7 +69,7 @@ def supports(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, gr
     """The part of `applies` that a model's shape decides."""
     if torch.device(device).type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return False
-    return dtype in (torch.float16, torch.bfloat16) and kv_dtype == FP8 and group == 1 and head_dim in (64, 128)
+    return dtype in (torch.float16, torch.bfloat16) and kv_dtype in (FP8, dtype) and group == 1 and head_dim in (64, 128)
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, block_n: int, causal: bool, window: int | None) -> bool:
@@ -117,7 +120,7 @@ def _rows_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
                  stride_lp, scale_log2, chunk_size, HKV: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BLOCK_N: gl.constexpr, TPE: gl.constexpr, STAGES: gl.constexpr,
                  WRITE_LSE: gl.constexpr, STORE: gl.constexpr, DYNAMIC: gl.constexpr,
-                 MERGE: gl.constexpr, PDL: gl.constexpr, CHUNK: gl.constexpr):
+                 MERGE: gl.constexpr, PDL: gl.constexpr, CHUNK: gl.constexpr, FP8: gl.constexpr):
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -149,7 +152,9 @@ def _rows_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
             d_new = gl.where(t >= 0, HEAD_DIM, 0)
             kn = gl.load(k_new + t * stride_kt + h * HEAD_DIM + c, mask=c < d_new, other=0.0)
             vn = gl.load(v_new + t * stride_vt + h * HEAD_DIM + c, mask=c < d_new, other=0.0)
-        sl2 = scale_log2 * gl.load(kv_scale + _K_SCALE * HKV + h)  # the head's K scale (exact)
+        sl2 = scale_log2
+        if FP8:
+            sl2 = scale_log2 * gl.load(kv_scale + _K_SCALE * HKV + h)  # the head's K scale (exact)
         for r in range(0, gl.load(units + u * 6 + 1)):  # the unit's rows, one walk each
             row = gl.load(units + u * 6) + r
             qv = gl.load(q + row.to(gl.int64) * stride_qt + h * HEAD_DIM + c).to(gl.float32)  # [D]
@@ -194,8 +199,12 @@ def _rows_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
                 it += 1
             if STORE:
                 if t >= 0:  # the new key: one more online-softmax step, then into its slot
-                    kc = _quantize(kn, gl.load(kv_scale + _K_INV * HKV + h))
-                    vc = _quantize(vn, gl.load(kv_scale + _V_INV * HKV + h))
+                    if FP8:
+                        kc = _quantize(kn, gl.load(kv_scale + _K_INV * HKV + h))
+                        vc = _quantize(vn, gl.load(kv_scale + _V_INV * HKV + h))
+                    else:
+                        kc = kn.to(k_cache.dtype.element_ty)
+                        vc = vn.to(v_cache.dtype.element_ty)
                     s_new = gl.sum(qv * kc.to(gl.float32), 0) * sl2
                     m_new = gl.maximum(m_i, s_new)
                     alpha = gl.exp2(m_i - m_new)
@@ -207,7 +216,9 @@ def _rows_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
                     gl.store(k_cache + dst, kc)
                     gl.store(v_cache + dst, vc)
             seen = l_i > 0.0
-            o_row = acc / gl.where(seen, l_i, 1.0) * gl.load(kv_scale + _V_SCALE * HKV + h)
+            o_row = acc / gl.where(seen, l_i, 1.0)
+            if FP8:
+                o_row = o_row * gl.load(kv_scale + _V_SCALE * HKV + h)
             ln_l = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453,
                             float("-inf"))  # x ln 2
             out = gl.load(units + u * 6 + 4).to(gl.int64) + r
@@ -271,8 +282,10 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
     ring, at most `maxnreg` registers a thread. merge: its units merge their rows (o, lse:
     the final rows) with the wide launch's partials -- started beside it by PDL if merge.pdl."""
     n_chunks, chunk_size, hkv, d = k_cache.shape
-    assert k_cache.dtype == FP8 and kv_scale is not None
-    layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.float8e4nv)
+    fp8 = k_cache.dtype == FP8
+    assert kv_scale is not None or not fp8
+    gdt = {FP8: gl.float8e4nv, torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[k_cache.dtype]
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gdt)
     k_desc, v_desc = (TensorDescriptor(c, [n_chunks * chunk_size, hkv * d], [hkv * d, 1], [block_n, d], layout)
                       for c in (k_cache, v_cache))
     k_new, v_new, slots = new_kv or (q, q, units)
@@ -285,11 +298,11 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
                                          if merge else (units, units, o, o))
     _rows_kernel[(programs,)](
         q, units, count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o, o if lse is None else lse,
-        k_cache, v_cache, k_new, v_new, slots, kv_scale,
+        k_cache, v_cache, k_new, v_new, slots, o if kv_scale is None else kv_scale,
         o if queue is None else queue, fused, others, o_parts, lse_parts, q.stride(0),
         o.stride(0), 0 if lse is None else lse.stride(0), k_new.stride(0), v_new.stride(0),
         o_parts.stride(0), lse_parts.stride(0), scale * 1.4426950408889634, chunk_size, HKV=hkv,
         HEAD_DIM=d, BLOCK_N=block_n, TPE=chunk_size // block_n, STAGES=stages,
         WRITE_LSE=lse is not None, STORE=new_kv is not None, DYNAMIC=queue is not None,
-        MERGE=merge is not None, PDL=pdl, CHUNK=MERGE_CHUNK, num_warps=1, maxnreg=maxnreg,
+        MERGE=merge is not None, PDL=pdl, CHUNK=MERGE_CHUNK, FP8=fp8, num_warps=1, maxnreg=maxnreg,
         **({"launch_pdl": True} if pdl else {}))

@@ -30,7 +30,7 @@ from ...plan import DeviceExtras, DevicePlan, HostArrays, HostExtras, required
 from .attend import Launch, grid_size, hopper_module, launch_worklist, num_sms
 from .merge import UNROLL, merge_rows, unroll_for
 from .store import store_kv
-from .worklist import NARROW_ROWS, KernelConfig, build_worklist, choose_configs, items_need_causal
+from .worklist import NARROW_ROWS, KernelConfig, WorkList, build_worklist, choose_configs, items_need_causal
 
 # a launch shape in a plan's extras: every field of KernelConfig as an int (its bools as 0 / 1)
 _SHAPE_FIELDS = dataclasses.fields(KernelConfig)
@@ -85,26 +85,34 @@ class TritonKernels:
                 and (padded or not items_need_causal(required(arrays, "item_q_start"), q_len,
                                                      required(arrays, "item_kv_indptr"),
                                                      q_len <= NARROW_ROWS, *positions)))
-        configs = self.configs or choose_configs(rows_hint, s.head_dim, s.dtype.itemsize, gluon,
-                                                 fp8=s.kv_itemsize == 1, walk=walk)
-        wl = build_worklist(required(arrays, "item_q_start"), q_len, required(arrays, "item_out_start"),
-                            required(arrays, "item_kv_indptr"), required(arrays, "q_pos").size,
-                            arrays["row_indptr"], arrays["row_parts"], configs, group=self.group,
-                            num_kv_heads=s.num_kv_heads, chunk_size=batch.chunk_size,
-                            itemsize=s.kv_itemsize, num_sms=self.sms,
-                            positions=positions,
-                            kv_chunk=required(arrays, "kv_chunk"),
-                            force_merge=padded)
+        fp8 = s.kv_itemsize == 1
+        configs = self.configs or choose_configs(rows_hint, s.head_dim, s.dtype.itemsize, gluon, fp8=fp8, walk=walk)
+
+        def work_list(configs: tuple[KernelConfig, KernelConfig]) -> WorkList:
+            return build_worklist(required(arrays, "item_q_start"), q_len, required(arrays, "item_out_start"),
+                                  required(arrays, "item_kv_indptr"), required(arrays, "q_pos").size,
+                                  arrays["row_indptr"], arrays["row_parts"], configs, group=self.group,
+                                  num_kv_heads=s.num_kv_heads, chunk_size=batch.chunk_size,
+                                  itemsize=s.kv_itemsize, num_sms=self.sms, positions=positions,
+                                  kv_chunk=required(arrays, "kv_chunk"), force_merge=padded)
+
+        wl = work_list(configs)
         assert not (padded and any(wl.causal)), "a padded (graph) step must be a decode step"
         if configs[0].after_wide and wl.wide_sms < self.sms:  # the walk beside the wide units after all
             configs = (dataclasses.replace(configs[0], after_wide=False, merge_beside=True), configs[1])
+        elif configs[0].walk and not fp8 and not self.configs:
+            # a 16-bit cache's walk runs only beside them: elsewhere the Triton kernel's units
+            # (a second work list, only where a G 1 model's walk could have run beside)
+            configs = (choose_configs(rows_hint, s.head_dim, s.dtype.itemsize, gluon)[0], configs[1])
+            wl = work_list(configs)
         stores = (wl.stores, bool(wl.stores and (wl.narrow[:, 5] != -1).any()),
                   bool(wl.stores and (wl.wide[:, 5] != -1).any()))  # (any, narrow, wide)
         if padded:
             self._reserve_scratch(wl.num_partials)
             # (fixed in practice: decode tails are narrow units iff G <= 16; the narrow units
-            # merge unless a row's tail is split; the walk beside flips as the tails outgrow
-            # half the shared keys -- about once in a batch's life, each flip one more capture)
+            # merge unless a row's tail is split; the walk beside -- and over a 16-bit cache the
+            # walk itself -- flips as the tails outgrow half the shared keys: about once in a
+            # batch's life, each flip one more capture)
             baked = (*stores, wl.fused is not None, configs[0].merge_beside)
             if baked != self._padded_baked:
                 self._padded_baked = baked

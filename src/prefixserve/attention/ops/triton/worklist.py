@@ -82,8 +82,8 @@ streaming under them); where it runs after them (`after_wide`: the row walk afte
 least _BESIDE_KEYS x a tail's keys, the walk runs beside them instead (`_walk_sms`,
 `merge_beside`): each wide item on an SM of its own, unsplit, the walk's CTAs on the others,
 all resident at once, each waiting for the wide launch's end only to merge (on an H200, Table
-3's fp8 rows with 3x as many shared keys as own took 4-14% less time: issue 25 part
-twenty-three).
+3's rows with 3x as many shared keys as own took 4-14% less time over fp8, 1-11% over a
+16-bit cache, whose walk runs only there: issue 25 parts twenty-three and twenty-four).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class KernelConfig:
     hopper: bool = True  # the Gluon kernel where it applies (`hopper.applies`: sm_90 wide launches)
     maxnreg: int = 0  # registers a thread at most (0: the compiler's choice)
     dynamic: bool = False  # programs take units from a device counter, not a fixed stride
-    walk: bool = False  # a narrow launch of G 1 over fp8, no position mask: the Gluon row walk (`hopper_rows`)
+    walk: bool = False  # a narrow launch of G 1, no position mask: the Gluon row walk (`hopper_rows`)
     after_wide: bool = False  # a narrow launch: runs after the wide one on its stream, not beside it
     # (unless the plan gives the wide units SMs of their own, `_walk_sms`: then merge_beside instead)
     merge_beside: bool = False  # a narrow launch beside the wide one (PDL) whose units merge once it ends
@@ -167,10 +167,13 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     1-22% less: issue 25 part fourteen; beside the Gluon CTA over fp8, with room for 2-6 walk
     CTAs an SM, 12-33% longer than after it: part fifteen; after it, its units merge their rows:
     `fused`; started early by PDL instead, 10-37% longer: part sixteen -- unless the plan
-    gives the wide units SMs of their own, `_walk_sms`: part twenty-three). Not
-    taken over 16-bit caches (paged decode within 0.6%; the engine's 1,024 x 16K step 1-4%
-    slower, though that step's attention launches alone measured 2-13% faster at 9 of 10 tail
-    lengths).
+    gives the wide units SMs of their own, `_walk_sms`: part twenty-three). Over a 16-bit
+    cache (16-key tiles, the same 4 KB) a candidate only beside the Gluon wide units of <= 64
+    rows, taken only where `_walk_sms` gives them SMs of their own (`TritonKernels.plan_extra`
+    falls back to the Triton kernel elsewhere): there Table 3's 16-bit rows whose shared keys
+    are 3x a tail's took 1-11% less time (part twenty-four); after the products 1-5% more
+    (part seventeen), and on paged decode within 0.6%, the engine's 1,024 x 16K step 1-4%
+    slower (part nine).
     fp8 wide tiles of <= 64 rows (Triton's, off sm_90: there the Gluon kernel widens them):
     5 stages, so that the pipeliner double-buffers the K/V tiles (below 5 it gives them one
     buffer: their addresses come from loads); on an H200 Table 3's fp8 rows took 2-15% less
@@ -181,8 +184,9 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
         block_n //= 2
     wide_m = min(128, max(32, next_pow2(max_wide_rows)))
     narrow = KernelConfig(NARROW_ROWS, block_n, num_warps=2)
-    if walk and fp8:
-        narrow = KernelConfig(NARROW_ROWS, 4096 // head_dim, num_warps=1, programs_per_sm=8,
+    if walk and (fp8 or gluon and 0 < max_wide_rows and wide_m < 128):  # 16-bit: only to run beside
+        tile_keys = 4096 // (head_dim * (1 if fp8 else itemsize))  # 4 KB K tiles
+        narrow = KernelConfig(NARROW_ROWS, tile_keys, num_warps=1, programs_per_sm=8,
                               maxnreg=NARROW_REGS_BESIDE_GLUON, dynamic=True, walk=True,
                               after_wide=0 < max_wide_rows and wide_m < 128)
     elif fp8:
@@ -273,13 +277,14 @@ _NOISE = 0.02  # estimates this close are equal (b256 x 2K shared keys: 48 SMs e
 # than 64, measured 2% later)
 
 
-# The fp8 row walk beside the Gluon wide units of <= 64 rows (`_walk_sms`), measured on an H200
-# (issue 25 part twenty-three). A walk CTA that has walked its tail waits for the wide launch's
-# end to merge its row, holding its room: every one must be resident at once, or the rest walk
-# their tails after the products, at a lone CTA's latency.
+# The row walk beside the Gluon wide units of <= 64 rows (`_walk_sms`), measured on an H200
+# (issue 25 parts twenty-three, over fp8, and twenty-four, over 16-bit caches). A walk CTA that
+# has walked its tail waits for the wide launch's end to merge its row, holding its room: every
+# one must be resident at once, or the rest walk their tails after the products, at a lone
+# CTA's latency.
 _WALKS_AN_SM = 13  # walk CTAs a free SM holds (shared memory: a 16 KB ring and 1 KB each)
 _BESIDE_KEYS = 2  # beside where a wide item walks this many times a tail's keys: at 3x, 4-14% off
-# Table 3's fp8 steps; at 1x, +3% to -5%
+# Table 3's fp8 steps and 1-11% off its 16-bit ones; at 1x, +3% to -5% and +1.8% to -2.8%
 
 
 def _wide_sms(q_len: np.ndarray, num_entries: np.ndarray, cfg: KernelConfig, group: int, num_kv_heads: int,
@@ -312,8 +317,9 @@ def _wide_sms(q_len: np.ndarray, num_entries: np.ndarray, cfg: KernelConfig, gro
 
 def _walk_sms(wide_blocks: int, wide_keys: float, narrow_keys: float, num_rows: int, num_kv_heads: int,
               num_sms: int) -> int:
-    """The SMs of the Gluon wide units of <= 64 rows where the fp8 row walk runs beside them
-    (`merge_beside`), or num_sms where it runs after them (`after_wide`): beside, each of the
+    """The SMs of the Gluon wide units of <= 64 rows where the row walk runs beside them
+    (`merge_beside`), or num_sms where it does not (`after_wide`; over a 16-bit cache the plan
+    then takes the Triton narrow kernel, `TritonKernels.plan_extra`): beside, each of the
     `wide_blocks` row blocks x KV heads on an SM of its own, unsplit, where a wide item walks
     _BESIDE_KEYS x the keys of a tail or more (`wide_keys`, `narrow_keys`: the means) and the
     other SMs hold a walk CTA for every final row x KV head at once (the merging walk has one
@@ -394,7 +400,7 @@ def build_worklist(q_start: npt.ArrayLike, q_len: npt.ArrayLike, out_start: npt.
     narrow_cls = ~is_wide
     entries[narrow_cls], num_splits[narrow_cls] = _splits(q_len[narrow_cls], num_entries[narrow_cls], narrow_cfg,
                                                           group, num_kv_heads, pad, itemsize, num_sms)
-    # the fp8 row walk after Gluon units of <= 64 rows: beside them instead where that pays
+    # the row walk after Gluon units of <= 64 rows: beside them instead where that pays
     if (narrow_cfg.after_wide and wide_cfg.programs_per_sm == 1 and is_wide.any() and narrow_cls.any()
             and (q_len[narrow_cls] == 1).all() and (num_splits[narrow_cls] == 1).all()):
         keys = _item_keys(num_entries * pad, kv_indptr, positions)
