@@ -6,6 +6,8 @@
     worklist.py  units and split-K merge CSR, built on the host at plan time (numpy only)
     kernels.py   TritonKernels   plan/run glue for `backends.scheduled`
     cells.py     CellKernels     deterministic mode: key cells in position tiles (cell_worklist.py)
+    hopper.py    the wide launch on sm_90, in Gluon: TMA, wgmma, warp specialization
+    hopper_rows.py  the narrow launch of G 1 decode tails on sm_90, in Gluon: a row walk
 
 triton is imported lazily (attribute access below), so this package imports on a CPU-only
 machine without triton; `worklist` never needs it.

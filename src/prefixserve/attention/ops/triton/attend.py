@@ -31,7 +31,7 @@ MERGE (the narrow launch of a plan whose narrow units merge: worklist's `fused`)
 (one row) keeps its partial in registers and merges it with the row's other partials
 (scratch rows `others`, written by the wide launch: after `griddepcontrol.wait` when PDL, the
 launch having started beside the wide one, which TRIGGERs its dependents as it starts; by
-stream order where it runs after it, `after_wide`, as the fp8 row walk mostly does), in
+stream order where it runs after it, `after_wide`, as the fp8 row walk often does), in
 MERGE_CHUNK partials at a time (one round trip each), writing the final row in o's dtype:
 
     (m, d, acc) = (lse_own, 1, o_own);  per chunk: m' = max(m, max_i lse_i);
