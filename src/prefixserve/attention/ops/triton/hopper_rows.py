@@ -18,12 +18,12 @@ them), each row of a unit's one walk over its tiles, with
                  item's first tiles load under this one's last
     the math     on CUDA cores in fp32, the e4m3 values widened in registers (exactly), the
                  head's K scale in the score scale and its V scale on the output (powers
-                 of two: exact; FP8 false: a 16-bit cache, no scales): a lane holds 8 contiguous D values of BLOCK_N / 4
-                 keys (layout KL), scores s = q . k reduced over 8 lanes, the online softmax
-                 in base 2, acc += p v -- a short chain of FMAs a tile, no P layout change
-                 (the loop is bound by its latency, not its issue: the scores by mma, 18%
-                 fewer instructions, measured no faster; kernels-notes.md, issue 25 part
-                 twenty-four)
+                 of two: exact; not FP8, a 16-bit cache: no scales): a lane holds 8
+                 contiguous D values of BLOCK_N / 4 keys (layout KL), scores s = q . k
+                 reduced over 8 lanes, the online softmax in base 2, acc += p v -- a short
+                 chain of FMAs a tile, no P layout change (the loop is bound by its latency,
+                 not its issue: the scores by mma, 18% fewer instructions, measured no
+                 faster; kernels-notes.md, issue 25 part twenty-four)
 
 Measured on an H200 against the Triton narrow launch (kernels-notes.md, issue 25 part nine):
 where a plan takes it and where not is `worklist.choose_configs`'s. Over a 16-bit cache the
