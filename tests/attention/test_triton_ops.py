@@ -363,6 +363,27 @@ def test_plans_take_the_row_walk_for_decode_tails(monkeypatch):
             assert (o.float() - ref.float()).abs().max() <= 4 * U[torch.float16] * case.vmax
 
 
+def test_a_graphs_plan_is_captured_again_when_the_walk_flips(monkeypatch):
+    """A padded (graph) plan bakes the narrow launch's shape into its graph. Over a 16-bit
+    cache (the Gluon kernels made to seem on, 16 SMs), 24 sequences whose tails outgrow half of
+    256 shared keys keep the Triton kernel's shape; once their tails are shorter (a new batch),
+    the walk runs beside the wide units: the kernels' generation moves once (a new capture),
+    and not between two plans of the same choice."""
+    from prefixserve.bench.kernels.rows import Workload, build
+
+    monkeypatch.setattr("prefixserve.attention.ops.triton.kernels._gluon_rows", lambda shape: True)
+    monkeypatch.setattr("prefixserve.attention.ops.triton.kernels._gluon_wide", lambda shape, chunk: True)
+    rows = [build(Workload("test", 24, 4, 4, 64, context, (256,), 16, "float16"), DEVICE) for context in (600, 610, 300)]
+    kernels = tops.TritonKernels(rows[0].shape, sms=16)
+    backend = RelayBackend(rows[0].shape, kernels=kernels)
+    seen = []
+    for row in rows:
+        backend.plan(dataclasses.replace(row.batch, padded=PaddedRows(row.batch.num_tokens + 2, 0)))
+        seen.append((backend.current.extra["narrow_walk"], kernels.generation))
+    assert [walk for walk, _ in seen] == [False, False, True]
+    assert seen[1][1] == seen[0][1] and seen[2][1] == seen[1][1] + 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_units_that_store_use_the_new_keys_as_the_cache_holds_them(dtype):
     """New keys given in fp32, between two values of the cache's dtype: the units that write
