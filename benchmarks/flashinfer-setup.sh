@@ -4,11 +4,15 @@
 #   usage:  eval "$(benchmarks/flashinfer-setup.sh path/to/flashinfer_python-0.2.14.post1.tar.gz [DEST])"
 #
 # The PyPI sdist (3.6 MB) holds the Python package and the CUDA sources its JIT compiles on
-# first use (about two minutes on an H100/H200). Nothing is built or installed here: the sdist
-# is extracted under DEST (default /tmp/flashinfer), the source folders are linked where
-# flashinfer/jit/env.py looks for them (flashinfer/data/{include,csrc,tvm_binding,cutlass,spdlog}),
-# `import flashinfer` is tried, and the environment to use it is printed on stdout as `export`
-# lines (everything else goes to stderr).
+# first use (two to four minutes on an H100/H200: where calls have a time limit, compile first
+# with one custom row, `prefixserve bench kernels --grid custom --batch 32 --context 1024
+# --shared 512 --kv-cache-dtype both`, then run the grid on the same warm machine, whose
+# compiled ops stay under DEST: kernels-notes.md, issue 25 part twenty-four). Nothing is built
+# or installed here: the sdist is extracted under DEST (default /tmp/flashinfer), the source
+# folders are linked where flashinfer/jit/env.py looks for them
+# (flashinfer/data/{include,csrc,tvm_binding,cutlass,spdlog}), `import flashinfer` is tried, and
+# the environment to use it is printed on stdout as `export` lines (everything else goes to
+# stderr).
 #
 # Imports: `import flashinfer` needs torch, triton, jinja2, filelock, packaging, requests and
 # numpy at import time, and ninja + nvcc when a kernel is first compiled: all on the GPU image.
