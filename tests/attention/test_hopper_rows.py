@@ -94,7 +94,7 @@ def test_row_walk_matches_twin(dtype, hkv, d, chunk, items, sms, dynamic, fp8):
     ids=["beside-128-row-products", "after-32-row-products", "after-merging", "after-merging-many-partials",
          "merging-beside-32-row-products", "merging-beside-on-4-sms"])
 def test_decode_step_with_the_row_walk(dtype, batch, heads, shared, own, mode, kv, monkeypatch):
-    """A decode step of G 1 over an fp8 cache: paged (narrow units only) and relay (96
+    """A decode step of G 1 (fp8 cache here; 16-bit below): paged (narrow units only) and relay (96
     sequences under a shared prefix: 128-row wide units, the walk beside them; 20-40: 32- and
     64-row wide units, which the walk follows on their stream -- or, where their items walk at
     least twice a tail's keys, runs beside on the other SMs; kept after here by raising that
