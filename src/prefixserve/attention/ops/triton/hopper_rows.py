@@ -23,7 +23,9 @@ them), each row of a unit's one walk over its tiles, with
                  reduced over 8 lanes, the online softmax in base 2, acc += p v -- a short
                  chain of FMAs a tile, no P layout change (the loop is bound by its latency,
                  not its issue: the scores by mma, 18% fewer instructions, measured no
-                 faster; kernels-notes.md, issue 25 part twenty-four)
+                 faster; nor by the warps an SM: two warps a CTA, each on half of every
+                 tile, 2-4% slower at the same grid and ring; kernels-notes.md, issue 25
+                 parts twenty-four and twenty-five)
 
 Measured on an H200 against the Triton narrow launch (kernels-notes.md, issue 25 part nine):
 where a plan takes it and where not is `worklist.choose_configs`'s. Over a 16-bit cache the
