@@ -76,8 +76,8 @@ def supports(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, gr
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, block_n: int, causal: bool, window: int | None) -> bool:
     """Whether `launch` can run this narrow launch (`KernelConfig.walk`: a decode step's, the
-    plan's choice): G 1, an fp8 cache, no position mask, no sliding window, tiles within a
-    chunk."""
+    plan's choice): G 1, an fp8 cache or one of q's dtype, no position mask, no sliding
+    window, tiles within a chunk."""
     chunk = k_cache.shape[1]
     return (supports(q.device, q.dtype, k_cache.dtype, q.shape[1] // k_cache.shape[2], q.shape[-1])
             and not causal and window is None and chunk % block_n == 0)
