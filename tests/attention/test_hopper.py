@@ -25,15 +25,16 @@ if DEVICE.type != "cuda" or torch.cuda.get_device_capability(DEVICE)[0] != 9:
 
 from prefixserve.attention.ops import reference  # noqa: E402
 from prefixserve.attention.ops import triton as tops  # noqa: E402
-from prefixserve.attention.ops.triton.attend import GLUON_TRITON, hopper_module  # noqa: E402
+from prefixserve.attention.ops.triton.launch import GLUON_TRITON, hopper_module  # noqa: E402
 
 hopper = hopper_module()
+products = hopper_module("hopper_products")
 if hopper is None:
     pytest.skip(f"the Gluon kernel is tested on Triton {GLUON_TRITON} only", allow_module_level=True)
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 
-from prefixserve.attention.ops.triton.worklist import NARROW_REGS_BESIDE_GLUON, KernelConfig  # noqa: E402
+from prefixserve.attention.ops.triton.configs import NARROW_REGS_BESIDE_GLUON, KernelConfig  # noqa: E402
 
 U = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 NARROW = KernelConfig(16, 64, num_warps=2)
@@ -41,14 +42,14 @@ NARROW = KernelConfig(16, 64, num_warps=2)
 
 @gluon.jit
 def _quantize_kernel(x, inv, y, BLOCK: gl.constexpr):
-    """y[i] = hopper._quantize(x[i], inv[0]), BLOCK values a program."""
+    """y[i] = hopper_products._quantize(x[i], inv[0]), BLOCK values a program."""
     i = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=gl.BlockedLayout([4], [32], [4], [0]))
-    gl.store(y + i, hopper._quantize(gl.load(x + i), gl.load(inv)))
+    gl.store(y + i, products._quantize(gl.load(x + i), gl.load(inv)))
 
 
 @pytest.mark.parametrize("inv", [1.0, 2.0**-3, 2.0**5])
 def test_quantize_matches_the_reference_bit_for_bit(inv):
-    """The Gluon kernels' e4m3 quantization of new keys (`hopper._quantize`) against
+    """The Gluon kernels' e4m3 quantization of new keys (`hopper_products._quantize`) against
     `reference.quantize`, as the cache's bytes: every fp16 value but NaN (all of e4m3's
     ties, its subnormals' ties, +-0, +-inf, saturation) x a power-of-two inverse scale, and
     random fp32 values that no fp16 holds."""
@@ -272,14 +273,14 @@ def test_decode_step_with_gluon_wide_units(dtype, batch, kv_heads, block_m):
 @pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph-grid"])
 def test_decode_step_with_the_wide_launch_on_fewer_sms(padded, monkeypatch):
     """Tails long enough to outlast the products (96 sequences x G 4 under 512 shared keys,
-    2,048 keys of their own): relay's plan leaves SMs to the narrow launch (`worklist._wide_sms`).
+    2,048 keys of their own): relay's plan leaves SMs to the narrow launch (`grids.wide_sms`).
     Eager, the wide grid is that many CTAs; in a graph's plan (padded rows) the grid stays one
     CTA an SM and count[1] of them, spread over it, take units (`hopper._items`). Both agree
     with the plan on every SM and with paged; padding rows are zeros."""
     from prefixserve.attention.backends.paged import PagedBackend
     from prefixserve.attention.backends.relay import RelayBackend
     from prefixserve.attention.base import PaddedRows
-    from prefixserve.attention.ops.triton import worklist
+    from prefixserve.attention.ops.triton import grids
     from prefixserve.bench.kernels.rows import Workload, build
 
     row = build(Workload("test", 96, 16, 4, 128, 2560, (512,), 64, "float16", groups=4), DEVICE)
@@ -294,7 +295,7 @@ def test_decode_step_with_the_wide_launch_on_fewer_sms(padded, monkeypatch):
     for label, cls, keep_all in (("fewer", RelayBackend, False), ("all", RelayBackend, True),
                                  ("paged", PagedBackend, False)):
         if keep_all:
-            monkeypatch.setattr(worklist, "_wide_sms", lambda *args: args[7])
+            monkeypatch.setattr(grids, "wide_sms", lambda *args: args[7])
         be = cls(row.shape, kernels=tops.TritonKernels(row.shape))
         be.plan(batch)
         x = be.current.extra

@@ -27,14 +27,15 @@ if DEVICE.type != "cuda" or torch.cuda.get_device_capability(DEVICE)[0] != 9:
 
 from prefixserve.attention.ops import reference  # noqa: E402
 from prefixserve.attention.ops import triton as tops  # noqa: E402
-from prefixserve.attention.ops.triton.attend import GLUON_TRITON, MERGE_CHUNK, hopper_module  # noqa: E402
+from prefixserve.attention.ops.triton.attend import MERGE_CHUNK  # noqa: E402
+from prefixserve.attention.ops.triton.launch import GLUON_TRITON, hopper_module  # noqa: E402
 
 rows_walk = hopper_module("hopper_rows")
 if rows_walk is None:
     pytest.skip(f"the Gluon kernels are tested on Triton {GLUON_TRITON} only", allow_module_level=True)
 from test_hopper import U, check_partials, shared_items, to_fp8  # noqa: E402  (skips with this module: the same GPU)
 
-from prefixserve.attention.ops.triton.worklist import KernelConfig, choose_configs  # noqa: E402
+from prefixserve.attention.ops.triton.configs import KernelConfig, choose_configs  # noqa: E402
 
 TRITON_NARROW = KernelConfig(16, 64, num_warps=2)
 WIDE = KernelConfig(128, 64, num_stages=2, programs_per_sm=2)
@@ -113,7 +114,7 @@ def test_decode_step_with_the_row_walk(dtype, batch, heads, shared, own, mode, k
 
     gluon_rows = tk._gluon_rows
     if mode == "after-merging":
-        monkeypatch.setattr("prefixserve.attention.ops.triton.worklist._BESIDE_KEYS", float("inf"))
+        monkeypatch.setattr("prefixserve.attention.ops.triton.grids._BESIDE_KEYS", float("inf"))
     name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
     context = shared + own
     row16 = build(Workload("test", batch, heads, heads, 128, context, (shared,), 64, name), DEVICE)

@@ -4,7 +4,7 @@ shared prompt; Table 3's all-shared rows): the wide units take the rows' new key
 
 Runs in Triton's interpreter on CPU tensors, or compiled on a GPU with
 PREFIXSERVE_TRITON_TEST_DEVICE=cuda (on Hopper the Gluon wide kernel takes the keys:
-`hopper._own_keys`, and the merge launch starts beside the wide one by PDL). Tolerances as in
+`hopper_products._own_keys`, and the merge launch starts beside the wide one by PDL). Tolerances as in
 test_triton_merge.
 """
 
@@ -27,7 +27,8 @@ from prefixserve.attention.backends.hydragen import HydragenBackend  # noqa: E40
 from prefixserve.attention.backends.paged import PagedBackend  # noqa: E402
 from prefixserve.attention.backends.relay import RelayBackend  # noqa: E402
 from prefixserve.attention.ops.triton import worklist  # noqa: E402
-from prefixserve.attention.ops.triton.worklist import KernelConfig, build_worklist  # noqa: E402
+from prefixserve.attention.ops.triton.configs import KernelConfig  # noqa: E402
+from prefixserve.attention.ops.triton.worklist import build_worklist  # noqa: E402
 from prefixserve.bench.kernels.rows import Workload, build  # noqa: E402
 
 U16 = 2.0**-11  # fp16 unit roundoff

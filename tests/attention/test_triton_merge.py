@@ -27,7 +27,8 @@ from prefixserve.attention.backends.hydragen import HydragenBackend  # noqa: E40
 from prefixserve.attention.backends.paged import PagedBackend  # noqa: E402
 from prefixserve.attention.backends.relay import RelayBackend  # noqa: E402
 from prefixserve.attention.ops.triton import worklist  # noqa: E402
-from prefixserve.attention.ops.triton.worklist import KernelConfig, build_worklist  # noqa: E402
+from prefixserve.attention.ops.triton.configs import KernelConfig  # noqa: E402
+from prefixserve.attention.ops.triton.worklist import build_worklist  # noqa: E402
 from prefixserve.bench.kernels.rows import Workload, build  # noqa: E402
 
 U16 = 2.0**-11  # fp16 unit roundoff

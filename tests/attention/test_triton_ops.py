@@ -38,15 +38,14 @@ from prefixserve.attention.backends.relay import RelayBackend  # noqa: E402
 from prefixserve.attention.base import PaddedRows  # noqa: E402
 from prefixserve.attention.ops import reference  # noqa: E402
 from prefixserve.attention.ops import triton as tops  # noqa: E402
-from prefixserve.attention.ops.triton import worklist  # noqa: E402
-from prefixserve.attention.ops.triton.worklist import (  # noqa: E402
+from prefixserve.attention.ops.triton import grids  # noqa: E402
+from prefixserve.attention.ops.triton.configs import (  # noqa: E402
     NARROW_REGS_BESIDE_GLUON,
     NARROW_ROWS,
     KernelConfig,
-    build_worklist,
     choose_configs,
-    items_need_causal,
 )
+from prefixserve.attention.ops.triton.worklist import build_worklist, items_need_causal  # noqa: E402
 from prefixserve.attention.plan import index_arrays  # noqa: E402
 from prefixserve.attention.schedule import SCHEDULES  # noqa: E402
 
@@ -289,17 +288,17 @@ def test_launch_shapes_follow_the_kernel_that_runs_the_wide_units(monkeypatch):
 
 
 def test_walk_beside_the_products_where_it_pays():
-    """`worklist._walk_sms` on Table 3's fp8 rows (32 sequences x 32 heads, 32-row wide units)
+    """`grids.walk_sms` on Table 3's fp8 rows (32 sequences x 32 heads, 32-row wide units)
     and an H200's 132 SMs: the walk beside the wide units, each on an SM of its own, where
     they walk 3x a tail's keys; after them at 1x; after them where the walk's CTAs would not
     all fit on the other SMs (64 sequences: 2,048) or the wide items need more than half the
     SMs; and never for tails of their new keys alone (a step after a shared prompt: the wide
     units take those keys, split over every SM)."""
-    assert worklist._walk_sms(1, 768, 257, 32, 32, 132) == 32
-    assert worklist._walk_sms(1, 1024, 1025, 32, 32, 132) == 132
-    assert worklist._walk_sms(1, 1024, 1, 32, 32, 132) == 132
-    assert worklist._walk_sms(1, 768, 257, 64, 32, 132) == 132
-    assert worklist._walk_sms(3, 768, 257, 32, 32, 132) == 132
+    assert grids.walk_sms(1, 768, 257, 32, 32, 132) == 32
+    assert grids.walk_sms(1, 1024, 1025, 32, 32, 132) == 132
+    assert grids.walk_sms(1, 1024, 1, 32, 32, 132) == 132
+    assert grids.walk_sms(1, 768, 257, 64, 32, 132) == 132
+    assert grids.walk_sms(3, 768, 257, 32, 32, 132) == 132
 
 
 def test_plans_take_the_row_walk_for_decode_tails(monkeypatch):
@@ -307,7 +306,7 @@ def test_plans_take_the_row_walk_for_decode_tails(monkeypatch):
     cache takes its narrow shape: paged (no wide units) and relay over 96 sequences (128-row
     units) beside the wide launch, relay over 24 (32-row units) after it, where its units
     merge their rows (no merge launch), or on 16 SMs beside it on SMs of their own, merging
-    once it ends (`worklist._walk_sms`). Over a 16-bit cache only the last: relay over 24
+    once it ends (`grids.walk_sms`). Over a 16-bit cache only the last: relay over 24
     sequences on 16 SMs, not where the tails outgrow half the shared keys (then the Triton
     kernel's shape, as without Gluon on 3 SMs or without wide units). Prefill rows (the
     position mask) and G 2 never do. The same output as the twin: on the CPU from the Triton
@@ -639,5 +638,5 @@ def test_imports_and_runs_on_cpu_without_triton():
 def test_gluon_kernel_only_on_the_triton_it_is_tested_on(version, tested):
     """Gluon's API moves between Triton releases: the Hopper kernel (`ops.triton.hopper`) is
     taken on the version it is tested on only, every other launch runs the Triton kernel."""
-    from prefixserve.attention.ops.triton.attend import gluon_tested
+    from prefixserve.attention.ops.triton.launch import gluon_tested
     assert gluon_tested(version) == tested

@@ -26,7 +26,7 @@ pytest.importorskip("triton")
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.attention.backends import scheduled
-from prefixserve.attention.ops.triton import attend, kernels, merge, store
+from prefixserve.attention.ops.triton import kernels, launch, merge, store
 from prefixserve.engine.cuda_graphs import DecodeGraphs, buckets
 
 TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
@@ -172,7 +172,7 @@ class RecordingGraphs(DecodeGraphs):
 def recorders(monkeypatch):
     """The Triton executor on the CPU, its kernels recorded."""
     recs = []
-    for module, name in ((attend, "_attend_kernel"), (merge, "_merge_kernel"), (store, "_store_kv_kernel")):
+    for module, name in ((launch, "_attend_kernel"), (merge, "_merge_kernel"), (store, "_store_kv_kernel")):
         rec = _Recorded(name, getattr(module, name))
         monkeypatch.setattr(module, name, rec)
         recs.append(rec)

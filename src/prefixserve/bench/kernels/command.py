@@ -109,7 +109,7 @@ def workloads(args) -> list[Workload]:
 def wide_kernel(device: torch.device) -> str:
     """Which kernel runs the 128-row wide launches of 16-bit decode steps here."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
-        from ...attention.ops.triton.attend import hopper_module
+        from ...attention.ops.triton.launch import hopper_module
         if hopper_module() is not None:
             return "gluon (ops.triton.hopper)"
     return "triton (ops.triton.attend)"

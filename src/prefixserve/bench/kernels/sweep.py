@@ -29,8 +29,8 @@ def sweep(dtype: str, device: torch.device) -> list[dict[str, Any]]:
     schedule each, and split the default's time into its launches."""
     from ...attention.backends.hydragen import HydragenBackend
     from ...attention.backends.paged import PagedBackend
+    from ...attention.ops.triton.configs import KernelConfig
     from ...attention.ops.triton.kernels import TritonKernels
-    from ...attention.ops.triton.worklist import KernelConfig
     t3, hy = table3(dtype), hydragen_grid(dtype)
     picks = [(t3[8], PagedBackend, "narrow"), (t3[10], HydragenBackend, "both"),
              (hy[10], HydragenBackend, "both"), (hy[7], HydragenBackend, "both"),
@@ -74,7 +74,7 @@ def sweep(dtype: str, device: torch.device) -> list[dict[str, Any]]:
 
 def _split_times(be, row: Row, device: torch.device) -> dict:
     """The default run's parts alone: store_kv, each attend launch, both (forked), the merge."""
-    from ...attention.ops.triton.attend import Merge, launch_units, launch_worklist
+    from ...attention.ops.triton.launch import Merge, launch_units, launch_worklist
     from ...attention.ops.triton.merge import merge_rows
     from ...attention.ops.triton.store import store_kv
     p, x, kern = be.current, be.current.extra, be.kernels

@@ -33,7 +33,8 @@ import dataclasses
 
 import numpy as np
 
-from .worklist import NARROW_ROWS, _csr, needs_causal
+from .configs import NARROW_ROWS
+from .worklist import _csr, needs_causal
 
 LOAD, STORE = 1, 2  # segment flags: start from the stored state; store the state, not the partial
 

@@ -31,12 +31,13 @@ import triton.language as tl
 from ...base import AttentionBatch, AttentionShape
 from ...plan import DevicePlan, HostArrays, HostExtras, required
 from ..reference import FP8
-from .attend import _LOG2E, _rows_mask, _tile_update, grid_size, num_sms
+from .attend import _LOG2E, _rows_mask, _tile_update
 from .cell_worklist import build_cell_work, newest_tiles
+from .configs import NARROW_ROWS, KernelConfig, choose_configs, next_pow2
 from .kernels import _addressable, _int, _tensor
+from .launch import grid_size, num_sms
 from .merge import merge_rows
 from .store import K_SCALE_ROW, V_SCALE_ROW, fp8_query, store_kv
-from .worklist import NARROW_ROWS, KernelConfig, choose_configs, next_pow2
 
 
 @triton.jit

@@ -28,7 +28,7 @@ them), each row of a unit's one walk over its tiles, with
                  parts twenty-four and twenty-five)
 
 Measured on an H200 against the Triton narrow launch (kernels-notes.md, issue 25 part nine):
-where a plan takes it and where not is `worklist.choose_configs`'s. Over a 16-bit cache the
+where a plan takes it and where not is `configs.choose_configs`'s. Over a 16-bit cache the
 same walk measured within 0.6% of the Triton kernel on paged decode, made the engine's
 1,024 x 16K step 1-4% slower and Table 3's rows with tails 1-5% slower after the products,
 so it reads a 16-bit cache only beside them, on SMs of their own (`merge_beside`: Table 3's
@@ -44,7 +44,7 @@ launch of units of <= 64 rows: worklist's `fused`): a one-row unit merges its ro
 wide units' partials and writes the final row (no merge launch; on an H200 2.1-3.5 us off
 each of Table 3's fp8 rows with tails: kernels-notes.md, issue 25 part sixteen). After that
 launch (`after_wide`) stream order makes them visible; beside it (PDL, `merge_beside`: the
-wide units on SMs of their own, `worklist._walk_sms`) a unit waits for its end
+wide units on SMs of their own, `grids.walk_sms`) a unit waits for its end
 (`griddepcontrol.wait`) once it has walked its tail, before the merge.
 
 Gluon does not run in Triton's interpreter: tested on the GPU against the twin
@@ -60,8 +60,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..reference import FP8
-from .attend import MERGE_CHUNK, Merge
-from .hopper import _K_INV, _K_SCALE, _V_INV, _V_SCALE, _bounds, _quantize
+from .attend import MERGE_CHUNK
+from .hopper_products import _K_INV, _K_SCALE, _V_INV, _V_SCALE, _bounds, _quantize
+from .launch import Merge
 
 KL = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0]))  # [BLOCK_N, D] over 1 warp
 
@@ -279,7 +280,7 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
            stages: int, maxnreg: int, new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
            kv_scale: torch.Tensor | None = None, queue: torch.Tensor | None = None,
            merge: Merge | None = None) -> None:
-    """`attend.launch_units` for a narrow launch that `applies`: the first count[0] units on a
+    """`launch.launch_units` for a narrow launch that `applies`: the first count[0] units on a
     persistent grid of `programs` one-warp CTAs, tiles of `block_n` keys in a `stages`-deep
     ring, at most `maxnreg` registers a thread. merge: its units merge their rows (o, lse:
     the final rows) with the wide launch's partials -- started beside it by PDL if merge.pdl."""

@@ -27,10 +27,11 @@ import torch
 
 from ...base import AttentionBatch, AttentionShape
 from ...plan import DeviceExtras, DevicePlan, HostArrays, HostExtras, required
-from .attend import Launch, grid_size, hopper_module, launch_worklist, num_sms
+from .configs import NARROW_ROWS, KernelConfig, choose_configs
+from .launch import Launch, grid_size, hopper_module, launch_worklist, num_sms
 from .merge import UNROLL, merge_rows, unroll_for
 from .store import store_kv
-from .worklist import NARROW_ROWS, KernelConfig, WorkList, build_worklist, choose_configs, items_need_causal
+from .worklist import WorkList, build_worklist, items_need_causal
 
 # a launch shape in a plan's extras: every field of KernelConfig as an int (its bools as 0 / 1)
 _SHAPE_FIELDS = dataclasses.fields(KernelConfig)
@@ -122,7 +123,7 @@ class TritonKernels:
         shapes = {f"{c}_{f.name}": getattr(cfg, f.name) for c, cfg in zip(("narrow", "wide"), configs, strict=True)
                   for f in _SHAPE_FIELDS}
         # the programs that take each launch's units (the wide one's may leave SMs to the narrow
-        # one: `worklist._wide_sms`), and its grid: those, or in a graph the fixed full grid
+        # one: `grids.wide_sms`), and its grid: those, or in a graph the fixed full grid
         takers = [grid_size(len(u), s.num_kv_heads, cfg, sms, fixed=False) for u, cfg, sms in
                   zip((wl.narrow, wl.wide), configs, (self.sms, wl.wide_sms), strict=True)]
         grids = {f"{c}_programs": grid_size(0, 0, cfg, self.sms, fixed=True) if padded else n

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from .worklist import next_pow2
+from .configs import next_pow2
 
 UNROLL = 8  # partials a chunk at most (each of Table 3's rows has at most 5)
 

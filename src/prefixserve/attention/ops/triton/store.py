@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ..reference import FP8, K_INV, K_SCALE, V_INV, V_SCALE
-from .worklist import next_pow2
+from .configs import next_pow2
 
 # kv_scale's rows (reference.K_SCALE ...), as constants the kernels may read
 K_SCALE_ROW: tl.constexpr = tl.constexpr(K_SCALE)

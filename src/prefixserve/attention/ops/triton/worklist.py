@@ -16,32 +16,8 @@ memory hold programs of both, so measured on an H200 they overlapped only at the
 tail -- until the Gluon wide kernel left room for the narrow shape `choose_configs` fits beside
 it (kernels-notes.md, issue 25 part six).
 
-Load balance (split-K, as FlashDecoding / FlashInfer's scheduler do): the cost of a program
-is its number of key tiles (block_n keys). A launch's grid holds `programs_per_sm` programs
-per SM (what stays resident: 2 for Triton's 128-row wide tiles, 1 Gluon CTA), each taking
-every P-th work item, longest first. Items are cut into splits of at most a cap of tiles; the
-caps tried are none, a balanced share of 1-4 waves of the grid, and the longest item cut into
-as many splits as let the unsplit items' units fill 1-4 waves (for equal items: whole waves,
-which the balanced share's rounding can overrun: b256 x 16K shared keys, 64 items on 132
-CTAs, is 2 splits in one wave, where the share's 3 took two waves), and the cap whose busiest
-program has the fewest tiles wins (ties: fewer splits). A one-level shared prefix at b1024 is
-256 equal work items on 264 Triton programs or two waves of 132 Gluon CTAs: splitting cannot
-end it sooner, and it stays whole (its 3 splits had cost 1-3.5% on an H200, in partials
-written and merged). A split costs its rows' fp32 partials (written, then read by the merge
-launch), so an item is never cut into splits shorter than 8x that cost (nor than 4 tiles).
-Unless that leaves a class with fewer programs than SMs: then each program is a serial chain
-of tile loads on an idle GPU, and items are cut to about one program per SM (splits of at
-least 2 tiles), where that ends the launch sooner on its grid. (The whole-wave caps took
-4-11% off the Gluon launch's b256 steps over 8K and 16K shared keys on an H200, 4-6% off
-Triton's over 16K: issue 25 part nineteen.)
-
-Beside the narrow launch (`_wide_sms`). The Gluon kernel's 128-row CTA (one an SM) leaves room
-for 2 narrow programs, a free SM holds 8; where the tails' bytes outlast the products on
-every SM, the wide units are balanced over fewer SMs, so that the narrow programs on the
-others stream at full width while the products run (an estimate with rates fitted on an
-H200; a CUDA graph's fixed grid then has only that many CTAs take units). On an H200 this
-took 2-14% off the Hydragen grid's steps whose tails outlast the products (512-key tails
-under 2K-16K shared keys, 128-key tails under 2K: issue 25 part twenty).
+Load balance (split-K, as FlashDecoding / FlashInfer's scheduler do) and the SMs each launch
+takes: `grids`.
 
 New keys (decode). In a step where every row reads only keys at or before its own position,
 each row's newest key (the one this step's store writes) is read by one unit alone: the last
@@ -79,7 +55,7 @@ units from a counter beside the products (beside the 128-row ones: a unit waitin
 end would hold its program's room while units are left to walk, and the tails would stop
 streaming under them); where it runs after them (`after_wide`: the row walk after units of <=
 64 rows) it waits for nothing, and stream order orders the reads. Where those units walk at
-least _BESIDE_KEYS x a tail's keys, the walk runs beside them instead (`_walk_sms`,
+least `grids._BESIDE_KEYS` x a tail's keys, the walk runs beside them instead (`grids.walk_sms`,
 `merge_beside`): each wide item on an SM of its own, unsplit, the walk's CTAs on the others,
 all resident at once, each waiting for the wide launch's end only to merge (on an H200, Table
 3's rows with 3x as many shared keys as own took 4-14% less time over fp8, 1-11% over a
@@ -94,108 +70,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-_PARTIAL_BYTES = 4  # fp32 partials
-MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-    """Launch shape of one attend launch (constexprs and launch options)."""
-
-    block_m: int  # M rows of a program: (query rows x G heads), padded
-    block_n: int  # keys per tile (virtual slots: each entry padded to next_pow2(C))
-    num_warps: int = 4
-    num_stages: int = 2
-    programs_per_sm: int = 4  # grid-size target of the split heuristic
-    hopper: bool = True  # the Gluon kernel where it applies (`hopper.applies`: sm_90 wide launches)
-    maxnreg: int = 0  # registers a thread at most (0: the compiler's choice)
-    dynamic: bool = False  # programs take units from a device counter, not a fixed stride
-    walk: bool = False  # a narrow launch of G 1, no position mask: the Gluon row walk (`hopper_rows`)
-    after_wide: bool = False  # a narrow launch: runs after the wide one on its stream, not beside it
-    # (unless the plan gives the wide units SMs of their own, `_walk_sms`: then merge_beside instead)
-    merge_beside: bool = False  # a narrow launch beside the wide one (PDL) whose units merge once it ends
-
-
-NARROW_ROWS = 16  # items with q_len * G <= this run in the narrow launch (decode tails)
-NARROW_REGS_BESIDE_GLUON = 128  # a narrow thread's registers beside the Gluon CTA (`hopper.MAXNREG`)
-
-
-def next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
-def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool = False,
-                   fp8: bool = False, walk: bool = False) -> tuple[KernelConfig, KernelConfig]:
-    """(narrow, wide) launch shapes, from sweeps on an H200 (benchmarks/kernels-notes.md).
-
-    narrow: one query row x G heads (decode tails) in a 16-row tile; the step is a stream of
-    K/V tiles, so the leanest program wins: 2 warps, 2 stages (3-5% faster than 4 warps).
-    N: 64 keys x D 128 (or 128 x 64) is a 16 KB K tile in 16-bit types; fp32 (tests) halves it.
-    wide: shared items, many rows x G heads, in tiles of up to 128 rows, the same keys per
-    tile. 128 rows x 4 warps (two wgmma row blocks per warpgroup) read each K/V tile for
-    twice the rows of a 64-row tile: on the H200 the Hydragen-grid rows took 2-14% less time
-    (b1024 S16K p128: 967 -> 829 us), and a bare 128-row loop ran 481 TFLOP/s where 64 rows
-    ran 389 (8 warps: 330). 2 stages at 128 rows (0-2% faster than 3), 3 at 64 (0-4% faster
-    than 2; 64 keys took 10-28% less time than 32, v6). Fewer rows than a tile: the next
-    power of two (Table 3's 32 rows), as a tile's padding rows cost full products. A 128-row
-    program's registers leave room for 2 per SM: its grid targets those 2.
-    gluon: the step's wide launch runs the Gluon kernel (`hopper.applies`: a decode step
-    whose wide units store no new key), one CTA an SM, which its splits target (at 128 rows
-    too: targeting Triton's 2 an SM, b256 x 8K / 16K shared keys took 4 / 8 splits where 2 end
-    as soon; with 2 the steps were 4-11% shorter on an H200, issue 25 part nineteen). At 128
-    rows it leaves each SM sub-partition room for one warp of NARROW_REGS_BESIDE_GLUON
-    registers (`hopper.MAXNREG`); the narrow launch then fits beside it, so that the tails
-    stream while the products run: that many registers a thread, half the keys a tile (2-warp
-    programs, 2 an SM beside the CTA), units taken as programs free up (`dynamic`: programs
-    that wait for room find the rest), 8 an SM once the products end. On an H200 it took
-    2.5-7% off every Hydragen-grid row (kernels-notes.md, issue 25 part six). Fewer rows (one
-    row warpgroup): the narrow launch keeps its own shape (the shape beside the 128-row CTA
-    made Table 3's rows with tails 13-24% slower). On an H200: Table 3's all-shared rows
-    2-20% faster, the rows with tails within +-1.5% (issue 25 part eight).
-    fp8: an fp8 cache's narrow tiles are half the bytes, so a program's one tile in flight
-    (2 stages) hides less of the latency: 5 stages put two in flight (the walk's index loads
-    take the first stages), at half the keys a tile. On an H200: Table 3's fp8 rows with
-    tails 2-8% faster, the all-shared ones within 1.2% (64-key tiles at 5 stages: 9-13% faster
-    without sharing, up to 17% slower elsewhere; 16-bit rows: no change either way).
-    walk: the narrow units may run the Gluon row walk (`hopper_rows.supports`: G 1, a step
-    with no position mask), which an fp8 cache's take: one-warp CTAs, 8 an SM, K tiles of 4 KB
-    (32 keys), 2 stages, items from a counter (with a fixed stride, the CTAs that wait for room
-    beside the products held their share). On an H200 (issue 25 part nine): paged decode
-    0.83-0.89x, the engine's 1,024 x 16K step 0.966x. Beside a wide launch of <= 64 rows it
-    runs after it instead (`after_wide`: beside Triton's tiles, which hold the SMs' registers,
-    Table 3's rows with tails took 4-15% longer than with the Triton narrow kernel, after them
-    1-22% less: issue 25 part fourteen; beside the Gluon CTA over fp8, with room for 2-6 walk
-    CTAs an SM, 12-33% longer than after it: part fifteen; after it, its units merge their rows:
-    `fused`; started early by PDL instead, 10-37% longer: part sixteen -- unless the plan
-    gives the wide units SMs of their own, `_walk_sms`: part twenty-three). Over a 16-bit
-    cache (16-key tiles, the same 4 KB) a candidate only beside the Gluon wide units of <= 64
-    rows, taken only where `_walk_sms` gives them SMs of their own (`TritonKernels.plan_extra`
-    falls back to the Triton kernel elsewhere): there Table 3's 16-bit rows whose shared keys
-    are 3x a tail's took 1-11% less time (part twenty-four); after the products 1-5% more
-    (part seventeen), and on paged decode within 0.6%, the engine's 1,024 x 16K step 1-4%
-    slower (part nine).
-    fp8 wide tiles of <= 64 rows (Triton's, off sm_90: there the Gluon kernel widens them):
-    5 stages, so that the pipeliner double-buffers the K/V tiles (below 5 it gives them one
-    buffer: their addresses come from loads); on an H200 Table 3's fp8 rows took 2-15% less
-    time than at 3 (issue 25 part fourteen).
-    """
-    block_n = 64 if head_dim > 64 else 128
-    if itemsize >= 4:
-        block_n //= 2
-    wide_m = min(128, max(32, next_pow2(max_wide_rows)))
-    narrow = KernelConfig(NARROW_ROWS, block_n, num_warps=2)
-    if walk and (fp8 or gluon and 0 < max_wide_rows and wide_m < 128):  # 16-bit: only to run beside
-        tile_keys = 4096 // (head_dim * (1 if fp8 else itemsize))  # 4 KB K tiles
-        narrow = KernelConfig(NARROW_ROWS, tile_keys, num_warps=1, programs_per_sm=8,
-                              maxnreg=NARROW_REGS_BESIDE_GLUON, dynamic=True, walk=True,
-                              after_wide=0 < max_wide_rows and wide_m < 128)
-    elif fp8:
-        narrow = KernelConfig(NARROW_ROWS, block_n // 2, num_warps=2, num_stages=5)
-    elif gluon and wide_m == 128:
-        narrow = KernelConfig(NARROW_ROWS, block_n // 2, num_warps=2, programs_per_sm=8,
-                              maxnreg=NARROW_REGS_BESIDE_GLUON, dynamic=True)
-    return (narrow, KernelConfig(wide_m, block_n, num_stages=2 if wide_m == 128 else 5 if fp8 else 3,
-                                 programs_per_sm=1 if gluon else 2 if wide_m == 128 else 4))
+from . import grids
+from .configs import NARROW_ROWS, KernelConfig, next_pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +84,7 @@ class WorkList:
     direct: bool  # no merge: units write final rows (out_row indexes the output)
     causal: tuple[bool, bool]  # (narrow, wide): some row precedes one of its unit's keys
     stores: bool  # units write every row's new key (store != -1, see above); no store launch
-    wide_sms: int  # the SMs the wide units are balanced over (fewer than all: `_wide_sms`, `_walk_sms`)
+    wide_sms: int  # the SMs the wide units are balanced over (fewer than all: `grids.wide_sms`, `grids.walk_sms`)
     fused: np.ndarray | None = None  # [Un, 3]: each narrow unit's (final row, others start,
     # count), where the narrow units merge (see above; narrow then ends in the padding rows' units)
     others: np.ndarray | None = None  # [M]: the scratch rows a narrow unit merges with its own
@@ -218,119 +94,6 @@ def _csr(counts: np.ndarray) -> np.ndarray:
     out = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=out[1:])
     return out
-
-
-def _splits(q_len: np.ndarray, num_entries: np.ndarray, cfg: KernelConfig, group: int, num_kv_heads: int,
-            chunk_pad: int, itemsize: int, num_sms: int) -> tuple[np.ndarray, np.ndarray]:
-    """Entries per split and number of splits of every item (see the module docstring)."""
-    rows = max(1, cfg.block_m // group)
-    blocks = -(-q_len // rows)
-    tiles = -(-num_entries * chunk_pad // cfg.block_n)
-    total = int((blocks * tiles).sum()) * num_kv_heads
-    programs = cfg.programs_per_sm * num_sms
-    # one split's partials (its used rows x G heads x D fp32, written + read) in K/V tiles
-    overhead = np.minimum(q_len, rows) * group * 2 * _PARTIAL_BYTES / (2 * cfg.block_n * itemsize)
-    floor = np.ceil(8 * overhead).astype(np.int64)
-    # split caps (tiles per split): none, a balanced share of k waves of the grid, or the
-    # longest item's tiles over the splits that let the unsplit units fill k waves; keep the
-    # one that ends the launch first (ties: fewer work items, so fewer partials)
-    best: tuple[tuple[int, int], np.ndarray] | None = None  # (makespan, units), splits
-    tried: set[bytes] = set()
-    longest, unsplit = int(tiles.max(initial=1)), int(blocks.sum()) * num_kv_heads
-    caps = ([max(4, -(-total // (k * programs))) for k in (1, 2, 3, 4)]
-            + [max(4, -(-longest // max(1, k * programs // max(1, unsplit)))) for k in (1, 2, 3, 4)])
-    for cap in [longest] + caps:
-        splits = -(-tiles // np.maximum(cap, floor))
-        if splits.tobytes() in tried:  # caps often agree (short tails: all unsplit)
-            continue
-        tried.add(splits.tobytes())
-        key = (_makespan(-(-tiles // splits), blocks * splits * num_kv_heads, programs),
-               int((blocks * splits).sum()))
-        if best is None or key < best[0]:
-            best = (key, splits)
-    assert best is not None  # the first cap is always tried
-    (makespan, units), num_splits = best
-    if units * num_kv_heads < num_sms:
-        # too few programs to fill the SMs: the step is latency-bound (a serial chain of tile
-        # loads per program), not bound by the partials' bytes; split to about one per SM,
-        # unless that takes more waves of the grid (128 units on 132 CTAs: 192)
-        sm_splits = -(-tiles // np.full_like(tiles, max(2, -(-total // num_sms))))
-        if _makespan(-(-tiles // sm_splits), blocks * sm_splits * num_kv_heads, programs) < makespan:
-            num_splits = sm_splits
-    tiles_per_split = -(-tiles // np.maximum(num_splits, 1))
-    per_entry = max(1, cfg.block_n // chunk_pad)  # entries per tile when a tile spans chunks
-    entries = np.maximum(1, -(-tiles_per_split * cfg.block_n // chunk_pad))
-    entries = -(-entries // per_entry) * per_entry
-    return entries, -(-num_entries // entries)
-
-
-# The wide Gluon launch's SMs beside a narrow launch. Its 128-row CTA (one an SM) leaves room
-# for 2 narrow programs, a free SM holds 8. Rates fitted on an H200 (issue 25 part twenty: 8
-# rows x 5 grids, the pick best on all 8), in narrow tiles (4,096 keys' elements of K and V at
-# 16 bits, 16 KB: `choose_configs`' narrow tile at D 64 and 128) per wide tile time (128 rows
-# x 4,096 keys' elements: one 64-key tile at D 128):
-_FREE_SM = 3.0  # the narrow programs of a free SM
-_BESIDE_SM = 0.6  # those beside a wide CTA
-_ALL_SM = 1.97  # the GPU's bandwidth, per SM
-_MIN_GAIN = 0.05  # fewer SMs only where the estimate ends 5% sooner (its 3% gains measured -4..+1%)
-_NOISE = 0.02  # estimates this close are equal (b256 x 2K shared keys: 48 SMs estimated 1.6% sooner
-# than 64, measured 2% later)
-
-
-# The row walk beside the Gluon wide units of <= 64 rows (`_walk_sms`), measured on an H200
-# (issue 25 parts twenty-three, over fp8, and twenty-four, over 16-bit caches). A walk CTA that
-# has walked its tail waits for the wide launch's end to merge its row, holding its room: every
-# one must be resident at once, or the rest walk their tails after the products, at a lone
-# CTA's latency.
-_WALKS_AN_SM = 13  # walk CTAs a free SM holds (shared memory: a 16 KB ring and 1 KB each)
-_BESIDE_KEYS = 2  # beside where a wide item walks this many times a tail's keys: at 3x, 4-14% off
-# Table 3's fp8 steps and 1-11% off its 16-bit ones; at 1x, +3% to -5% and +1.8% to -2.8%
-
-
-def _wide_sms(q_len: np.ndarray, num_entries: np.ndarray, cfg: KernelConfig, group: int, num_kv_heads: int,
-              chunk_pad: int, itemsize: int, num_sms: int, narrow_tiles: float) -> int:
-    """The SMs to balance the wide units over where they run beside `narrow_tiles` narrow
-    tiles (all KV heads'): all, unless the tails outlast the products there; then, of the
-    grids that whole waves of 1-4 splits of every row block fill (down to a quarter of the
-    SMs), the largest whose estimated end (`_beside_end`) is within _NOISE of the soonest, so
-    that the rest stream the tails at full width (on an H200, b256 x 8K shared keys with
-    512-key tails: 64 SMs, 11% off the step)."""
-    blocks = -(-q_len // max(1, cfg.block_m // group))
-    tiles = -(-num_entries * chunk_pad // cfg.block_n)
-    unsplit = int(blocks.sum()) * num_kv_heads
-
-    def end(sms: int) -> float:
-        _, splits = _splits(q_len, num_entries, cfg, group, num_kv_heads, chunk_pad, itemsize, sms)
-        copies = blocks * splits * num_kv_heads
-        programs = max(1, min(sms, int(copies.sum())))  # (items without entries: no units)
-        return _beside_end(_makespan(-(-tiles // np.maximum(splits, 1)), copies, programs), programs, narrow_tiles,
-                           num_sms)
-
-    candidates = {-(-unsplit * s // w) for s in range(1, 5) for w in range(1, 5)}
-    ends = {sms: end(sms) for sms in candidates | {num_sms} if max(1, num_sms // 4) <= sms <= num_sms}
-    best = min(ends.values())
-    # the most SMs within the estimate's noise of the best (where the tails bound the step,
-    # fewer SMs end it no sooner), if that ends it sooner than all
-    sms = max(sms for sms, t in ends.items() if t <= (1 + _NOISE) * best)
-    return sms if ends[sms] <= (1 - _MIN_GAIN) * ends[num_sms] else num_sms
-
-
-def _walk_sms(wide_blocks: int, wide_keys: float, narrow_keys: float, num_rows: int, num_kv_heads: int,
-              num_sms: int) -> int:
-    """The SMs of the Gluon wide units of <= 64 rows where the row walk runs beside them
-    (`merge_beside`), or num_sms where it does not (`after_wide`; over a 16-bit cache the plan
-    then takes the Triton narrow kernel, `TritonKernels.plan_extra`): beside, each of the
-    `wide_blocks` row blocks x KV heads on an SM of its own, unsplit, where a wide item walks
-    _BESIDE_KEYS x the keys of a tail or more (`wide_keys`, `narrow_keys`: the means) and the
-    other SMs hold a walk CTA for every final row x KV head at once (the merging walk has one
-    for each: its tail's unit, or a graph's padding row's). Tails of their new keys alone
-    (`narrow_keys` 1: a step after a shared prompt) are the wide units' to take, split over
-    every SM (`_absorb_keys`): not these."""
-    items = wide_blocks * num_kv_heads
-    if (items <= num_sms // 2 and 1 < narrow_keys and wide_keys >= _BESIDE_KEYS * narrow_keys
-            and num_rows * num_kv_heads <= (num_sms - items) * _WALKS_AN_SM):
-        return items
-    return num_sms
 
 
 def _item_keys(slots: np.ndarray, kv_indptr: np.ndarray,
@@ -343,25 +106,6 @@ def _item_keys(slots: np.ndarray, kv_indptr: np.ndarray,
     valid = _csr(np.asarray(positions[3], np.int64) - np.asarray(positions[2], np.int64))
     keys: np.ndarray = valid[kv_indptr[1:]] - valid[kv_indptr[:-1]]
     return keys
-
-
-def _beside_end(makespan: int, programs: int, narrow_tiles: float, num_sms: int) -> float:
-    """When a wide launch of `makespan` tiles on `programs` SMs and `narrow_tiles` beside it
-    end, in wide tile times (rates above): the narrow programs stream at their rates while the
-    wide CTAs run, at the GPU's bandwidth after."""
-    full = _ALL_SM * num_sms
-    during = min(full, (num_sms - programs) * _FREE_SM + programs * _BESIDE_SM)
-    return max(makespan + max(0.0, narrow_tiles - during * makespan) / full, narrow_tiles / full)
-
-
-def _makespan(tiles: np.ndarray, copies: np.ndarray, programs: int) -> int:
-    """Tiles of the busiest program when `copies[i]` work items of `tiles[i]` tiles each are
-    taken longest first, program p taking items p, p + programs, ... (the attend kernel's
-    persistent stride; the Gluon wide kernel strides over the items head-major, which this
-    models exactly where the units have equal lengths, as a shared item's row blocks do)."""
-    work = np.sort(np.repeat(tiles, copies))[::-1]
-    work = np.pad(work, (0, -len(work) % programs))
-    return int(work.reshape(-1, programs).sum(0).max(initial=0))
 
 
 def build_worklist(q_start: npt.ArrayLike, q_len: npt.ArrayLike, out_start: npt.ArrayLike,
@@ -395,19 +139,19 @@ def build_worklist(q_start: npt.ArrayLike, q_len: npt.ArrayLike, out_start: npt.
     if (narrow_cfg.dynamic and not narrow_cfg.after_wide and wide_cfg.block_m == 128 and wide_cfg.programs_per_sm == 1
             and is_wide.any() and not is_wide.all()):
         keys = _item_keys(num_entries * pad, kv_indptr, positions)[~is_wide].sum()
-        wide_sms = _wide_sms(q_len[is_wide], num_entries[is_wide], wide_cfg, group, num_kv_heads, pad,
+        wide_sms = grids.wide_sms(q_len[is_wide], num_entries[is_wide], wide_cfg, group, num_kv_heads, pad,
                              itemsize, num_sms, int(keys) * num_kv_heads / narrow_cfg.block_n)
     narrow_cls = ~is_wide
-    entries[narrow_cls], num_splits[narrow_cls] = _splits(q_len[narrow_cls], num_entries[narrow_cls], narrow_cfg,
+    entries[narrow_cls], num_splits[narrow_cls] = grids.split_items(q_len[narrow_cls], num_entries[narrow_cls], narrow_cfg,
                                                           group, num_kv_heads, pad, itemsize, num_sms)
     # the row walk after Gluon units of <= 64 rows: beside them instead where that pays
     if (narrow_cfg.after_wide and wide_cfg.programs_per_sm == 1 and is_wide.any() and narrow_cls.any()
             and (q_len[narrow_cls] == 1).all() and (num_splits[narrow_cls] == 1).all()):
         keys = _item_keys(num_entries * pad, kv_indptr, positions)
         blocks = -(-q_len[is_wide] // max(1, wide_cfg.block_m // group))
-        wide_sms = _walk_sms(int(blocks.sum()), float((blocks * keys[is_wide]).sum() / blocks.sum()),
+        wide_sms = grids.walk_sms(int(blocks.sum()), float((blocks * keys[is_wide]).sum() / blocks.sum()),
                              float(keys[narrow_cls].mean()), num_rows, num_kv_heads, num_sms)
-    entries[is_wide], num_splits[is_wide] = _splits(q_len[is_wide], num_entries[is_wide], wide_cfg, group,
+    entries[is_wide], num_splits[is_wide] = grids.split_items(q_len[is_wide], num_entries[is_wide], wide_cfg, group,
                                                     num_kv_heads, pad, itemsize, wide_sms)
     # scratch rows: the splits' own partial rows (also a no-merge schedule's, when forced)
     scratch = bool((num_splits > 1).any()) or (force_merge and row_indptr is None)
