@@ -42,6 +42,8 @@ bytes) and widen to fp16 in registers, exactly (a bf16 q tile is taken to fp16:
 `store.fp8_query`); the head's K scale joins the score scale and its V scale multiplies the
 output (powers of two: exact). A stored new key is quantized as the store launch quantizes it
 (`store.quantize_fp8`) before it joins the softmax.
+
+The host side -- checks, arguments, the grid, and where a Gluon launch runs instead -- is `launch`.
 """
 
 from __future__ import annotations
