@@ -268,6 +268,12 @@ def _softmax(sc, n, lo, hi, m_i, l_i, scale_log2, p_layout: gl.constexpr, dtype:
             sc = gl.where(((n >= lo) & (n < hi))[None, :], sc, float("-inf"))
     else:
         sc = gl.where(((n >= lo) & (n < hi))[None, :], sc, float("-inf"))
+    return _online(sc, m_i, l_i, scale_log2, p_layout, dtype)
+
+
+@gluon.jit
+def _online(sc, m_i, l_i, scale_log2, p_layout: gl.constexpr, dtype: gl.constexpr):
+    """`_softmax` after its mask: (P, alpha, m_i, l_i) of the masked scores sc."""
     m_new = gl.maximum(m_i, gl.max(sc, 1) * scale_log2)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp2 finite
     p = gl.exp2(sc * scale_log2 - m_safe[:, None])
@@ -286,9 +292,16 @@ def _ready_v(v_bufs, v_ready, it, n_v, lo, hi):
     v_buf = v_bufs.index(it % stages)
     mbarrier.wait(v_ready.index(it % stages), (it // stages) & 1)
     if (lo > 0) | (hi < BLOCK_N):
-        vt = v_buf.load(_IO_LAYOUT)
-        gl.thread_barrier()
-        v_buf.store(gl.where(((n_v >= lo) & (n_v < hi))[:, None], vt, 0.0))
-        fence_async_shared()
-        gl.thread_barrier()
+        _zero_outside(v_buf, n_v, lo, hi)
     return v_buf
+
+
+@gluon.jit
+def _zero_outside(buf, n, lo, hi):
+    """buf [keys, D] in shared memory: its rows n (slots) outside [lo, hi) = 0, fenced for the
+    tensor cores' reads."""
+    vt = buf.load(_IO_LAYOUT)
+    gl.thread_barrier()
+    buf.store(gl.where(((n >= lo) & (n < hi))[:, None], vt, 0.0))
+    fence_async_shared()
+    gl.thread_barrier()
