@@ -127,6 +127,21 @@ def check_partials(o, lse, o_ref, lse_ref, o_bound):
     assert ((lse - lse_ref)[fin].abs() <= 2e-4 * (1 + lse_ref[fin].abs())).all()
 
 
+def with_padding(row, pad: int):
+    """A bench row's (batch, q, k, v, k_cache, v_cache) with `pad` padding rows more, as a graph's
+    step has them (0: the step as it is); the caches hold one more chunk, where those rows write
+    their keys."""
+    from prefixserve.attention.base import PaddedRows
+
+    batch, q, k, v = row.batch, row.q, row.k, row.v
+    k_cache, v_cache = (torch.cat([c, torch.zeros_like(c[:1])]) for c in (row.k_cache, row.v_cache))
+    if pad:
+        pad_slot = row.k_cache.shape[0] * row.k_cache.shape[1]
+        batch = dataclasses.replace(batch, padded=PaddedRows(batch.num_tokens + pad, pad_slot))
+        q, k, v = (torch.cat([x, torch.randn(pad, *x.shape[1:], device=DEVICE).to(x.dtype)]) for x in (q, k, v))
+    return batch, q, k, v, k_cache, v_cache
+
+
 CASES = [  # (dtype, Hkv, G, D, chunk, items)
     (torch.float16, 2, 4, 128, 64, [(100, 5, 1000, 0), (40, 0, 64 * 7, 2), (3, 60, 10, 1)]),
     (torch.bfloat16, 1, 8, 128, 64, [(64, 0, 4096, 0), (17, 33, 700, 3)]),
@@ -137,18 +152,24 @@ CASES = [  # (dtype, Hkv, G, D, chunk, items)
 
 @pytest.mark.parametrize("dtype,hkv,g,d,chunk,items", CASES)
 @pytest.mark.parametrize("sms", [None, 3], ids=["whole-items", "split-k"])
-@pytest.mark.parametrize("block_m", [128, 32], ids=["two-row-groups", "one-row-group"])
-def test_gluon_wide_launch_matches_twin(dtype, hkv, g, d, chunk, items, sms, block_m):
-    """Units of 128 rows (two row warpgroups) and of 32 (one, its tiles half padding)."""
+@pytest.mark.parametrize("block_m,pairs", [(128, False), (128, True), (32, False)],
+                         ids=["two-row-groups", "chunk-pairs", "one-row-group"])
+def test_gluon_wide_launch_matches_twin(dtype, hkv, g, d, chunk, items, sms, block_m, pairs):
+    """Units of 128 rows (two row warpgroups; over 64-slot chunks also in 128-key tiles of two
+    chunks, `hopper_pairs`, whose units start and end at any entry: an odd last one masks its
+    tile's second half) and of 32 (one, its tiles half padding)."""
     args, rows = shared_items(len(items) + d, dtype, hkv, g, d, chunk, items)
     dev = [x.to(DEVICE) for x in args]
     assert hopper.applies(dev[0], dev[1], block_m, False, None, False)
     assert not hopper.applies(dev[0], dev[1], 16, False, None, False), "narrow tiles stay Triton's"
+    if pairs and chunk != 64:
+        assert not hopper_module("hopper_pairs").applies(dev[1], block_m, None, None)
+        return
     o_ref, lse_ref = reference.attend_items(*args, 1.0 / d**0.5, rows)
     vmax = args[2].nan_to_num(0).abs().max().float()
     results = []
     for use in (True, False):  # the Gluon kernel, then the Triton kernel it replaces
-        wide = KernelConfig(block_m, 64, num_stages=2, programs_per_sm=2, hopper=use)
+        wide = KernelConfig(block_m, 64, num_stages=2, programs_per_sm=2, hopper=use, pairs=pairs and use)
         o, lse = (x.cpu() for x in tops.attend_items(*dev, 1.0 / d**0.5, rows, sms=sms,
                                                      configs=(NARROW, wide)))
         check_partials(o, lse, o_ref, lse_ref, (1e-5 + 2 * U[dtype]) * vmax)
@@ -270,6 +291,36 @@ def test_decode_step_with_gluon_wide_units(dtype, batch, kv_heads, block_m):
         assert (o - outs["paged"]).abs().max() <= 4 * U[dtype] * vmax, name_
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph-grid"])
+def test_decode_step_over_chunk_pairs(dtype, padded):
+    """A decode step whose shared items walk 128x a tail's entries and hold every SM (256
+    sequences x G 4 under 8,192 shared keys, 128-key tails): relay's and hydragen's plans take
+    the Gluon wide kernel over 128-key tiles of two chunks (`hopper_pairs`), eagerly and in a
+    graph's plan (padded rows); they agree with paged (Triton's narrow units only), padding rows
+    are zeros, and a second run gives the same output."""
+    from prefixserve.attention.backends.hydragen import HydragenBackend
+    from prefixserve.attention.backends.paged import PagedBackend
+    from prefixserve.attention.backends.relay import RelayBackend
+    from prefixserve.bench.kernels.rows import Workload, build
+
+    name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    row = build(Workload("test", 256, 32, 8, 128, 8320, (8192,), 64, name), DEVICE)
+    batch, q, k, v, k_cache, v_cache = with_padding(row, 5 if padded else 0)
+    outs = {}
+    for cls in (PagedBackend, RelayBackend, HydragenBackend):
+        be = cls(row.shape, kernels=tops.TritonKernels(row.shape))
+        be.plan(batch)
+        assert bool(be.current.extra["wide_pairs"]) == (cls is not PagedBackend), cls.name
+        outs[cls.name] = be.run(q, k, v, k_cache.clone(), v_cache.clone()).float()
+        again = be.run(q, k, v, k_cache.clone(), v_cache.clone()).float()
+        assert torch.equal(again, outs[cls.name]) and not outs[cls.name].isnan().any(), cls.name
+    t = row.batch.num_tokens
+    for name_, o in outs.items():
+        assert not o[t:].any(), name_
+        assert (o[:t] - outs["paged"][:t]).abs().max() <= 4 * U[dtype] * row.vmax, name_
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph-grid"])
 def test_decode_step_with_the_wide_launch_on_fewer_sms(padded, monkeypatch):
     """Tails long enough to outlast the products (96 sequences x G 4 under 512 shared keys,
@@ -279,17 +330,11 @@ def test_decode_step_with_the_wide_launch_on_fewer_sms(padded, monkeypatch):
     with the plan on every SM and with paged; padding rows are zeros."""
     from prefixserve.attention.backends.paged import PagedBackend
     from prefixserve.attention.backends.relay import RelayBackend
-    from prefixserve.attention.base import PaddedRows
     from prefixserve.attention.ops.triton import grids
     from prefixserve.bench.kernels.rows import Workload, build
 
     row = build(Workload("test", 96, 16, 4, 128, 2560, (512,), 64, "float16", groups=4), DEVICE)
-    batch, q, k, v = row.batch, row.q, row.k, row.v
-    k_cache, v_cache = (torch.cat([c, torch.zeros_like(c[:1])]) for c in (row.k_cache, row.v_cache))
-    if padded:
-        pad_slot = row.k_cache.shape[0] * row.k_cache.shape[1]
-        batch = dataclasses.replace(batch, padded=PaddedRows(batch.num_tokens + 5, pad_slot))
-        q, k, v = (torch.cat([x, torch.randn(5, *x.shape[1:], device=DEVICE).to(x.dtype)]) for x in (q, k, v))
+    batch, q, k, v, k_cache, v_cache = with_padding(row, 5 if padded else 0)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     outs = {}
     for label, cls, keep_all in (("fewer", RelayBackend, False), ("all", RelayBackend, True),

@@ -373,14 +373,19 @@ def test_a_graphs_plan_is_captured_again_when_the_walk_flips(monkeypatch):
     monkeypatch.setattr("prefixserve.attention.ops.triton.kernels._gluon_rows", lambda shape: True)
     monkeypatch.setattr("prefixserve.attention.ops.triton.kernels._gluon_wide", lambda shape, chunk: True)
     rows = [build(Workload("test", 24, 4, 4, 64, context, (256,), 16, "float16"), DEVICE) for context in (600, 610, 300)]
+    assert graph_plans(rows, "narrow_walk") == [(False, 0), (False, 0), (True, 1)]
+
+
+def graph_plans(rows: list, key: str) -> list[tuple[bool, int]]:
+    """Relay's padded (graph) plans of `rows` in turn on one TritonKernels (16 SMs): each plan's
+    extra `key`, and the kernels' generation counted from the first plan's."""
     kernels = tops.TritonKernels(rows[0].shape, sms=16)
     backend = RelayBackend(rows[0].shape, kernels=kernels)
     seen = []
     for row in rows:
         backend.plan(dataclasses.replace(row.batch, padded=PaddedRows(row.batch.num_tokens + 2, 0)))
-        seen.append((backend.current.extra["narrow_walk"], kernels.generation))
-    assert [walk for walk, _ in seen] == [False, False, True]
-    assert seen[1][1] == seen[0][1] and seen[2][1] == seen[1][1] + 1
+        seen.append((bool(backend.current.extra[key]), kernels.generation))
+    return [(value, generation - seen[0][1]) for value, generation in seen]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -564,6 +569,27 @@ def test_the_wide_launch_leaves_sms_to_tails_that_outlast_it():
         assert (wl.wide_sms, len(wl.wide)) == (sms, blocks), (gluon, n, shared, tail)
         # every row block (32 sequences x G 4) takes the shared entries once, whatever the splits
         assert (wl.wide[:, 3] - wl.wide[:, 2]).sum() == shared * n // 32, (gluon, n)
+
+
+def test_the_wide_launch_takes_chunk_pairs_where_the_products_bound_the_step(monkeypatch):
+    """Where the Gluon wide kernel runs (made to seem so: the CPU has none), a decode step's
+    128-row wide units (64 sequences x G 4 under 4,096 shared keys, 16 SMs) take 128-key tiles
+    of two chunks (`hopper_pairs`) where their items walk 32x a tail's entries and hold every
+    SM: with 64-key tails, not with 512-key ones, nor over 128-slot chunks or an fp8 cache. A
+    graph's plan is captured again when the choice flips, not between two plans alike."""
+    from prefixserve.bench.kernels.rows import Workload, build
+
+    monkeypatch.setattr("prefixserve.attention.ops.triton.kernels._gluon_wide", lambda shape, chunk: True)
+    cases = [(4159, 64, "", True), (4607, 64, "", False), (4159, 128, "", False), (4159, 64, "fp8", False)]
+    for context, chunk, kv_dtype, pairs in cases:
+        row = build(Workload("test", 64, 8, 2, 64, context, (4096,), chunk, "float16", kv_dtype=kv_dtype), DEVICE)
+        backend = RelayBackend(row.shape, kernels=tops.TritonKernels(row.shape, sms=16))
+        backend.plan(row.batch)
+        x = backend.current.extra
+        assert x["wide_block_m"] == 128 and x["wide_hopper"] and x["wide_pairs"] == pairs, (context, chunk, kv_dtype)
+    rows = [build(Workload("test", 64, 8, 2, 64, context, (4096,), 64, "float16"), DEVICE)
+            for context in (4159, 4159, 4607)]
+    assert graph_plans(rows, "wide_pairs") == [(True, 0), (True, 0), (False, 1)]
 
 
 def test_narrow_launch_shapes_beside_the_gluon_kernel_and_over_fp8():

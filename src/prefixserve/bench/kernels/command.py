@@ -68,6 +68,9 @@ def measure_backends(row: Row, device: torch.device) -> tuple[dict[str, dict[str
         out = fn()
         ref = out if ref is None else ref
         entry = {**time_call(fn, device), "max_err_vs_paged": max_err(out, ref, row.vmax)}
+        extra = getattr(getattr(be, "current", None), "extra", None)
+        if isinstance(extra, dict) and extra.get("wide_pairs"):  # `ops.triton.hopper_pairs` ran the products
+            entry["wide_pairs"] = True
         if name == "auto":
             assert isinstance(be, AutoBackend), "the registry's `auto` is AutoBackend"
             entry["chose"] = be.chosen
@@ -111,7 +114,7 @@ def wide_kernel(device: torch.device) -> str:
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
         from ...attention.ops.triton.launch import hopper_module
         if hopper_module() is not None:
-            return "gluon (ops.triton.hopper)"
+            return "gluon (ops.triton.hopper; hopper_pairs on rows whose backends say wide_pairs)"
     return "triton (ops.triton.attend)"
 
 

@@ -11,6 +11,7 @@
     cells.py     CellKernels     deterministic mode: key cells in position tiles (cell_worklist.py)
     hopper.py    the wide launch on sm_90, in Gluon: TMA, wgmma, warp specialization
     hopper_products.py  its row warpgroups: the Q tile, the pipelined walk, the online softmax
+    hopper_pairs.py  the same over 128-key tiles of two chunks, for steps the products bound
     hopper_rows.py  the narrow launch of G 1 decode tails on sm_90, in Gluon: a row walk
 
 triton is imported lazily (attribute access below), so this package imports on a CPU-only

@@ -24,10 +24,29 @@ class KernelConfig:
     after_wide: bool = False  # a narrow launch: runs after the wide one on its stream, not beside it
     # (unless the plan gives the wide units SMs of their own, `grids.walk_sms`: then merge_beside instead)
     merge_beside: bool = False  # a narrow launch beside the wide one (PDL) whose units merge once it ends
+    pairs: bool = False  # a wide launch: Gluon's 128-key tiles of two chunks (`hopper_pairs`, `wide_pairs`)
 
 
 NARROW_ROWS = 16  # items with q_len * G <= this run in the narrow launch (decode tails)
 NARROW_REGS_BESIDE_GLUON = 128  # a narrow thread's registers beside the Gluon CTA (`hopper.MAXNREG`)
+
+
+PAIRS_OVER_TAILS = 32  # `wide_pairs` where a wide item's entries are this many x a tail's, or more
+
+
+def wide_pairs(wide: KernelConfig, chunk_size: int, fp8: bool, stores: bool, every_sm: bool,
+               shared: float, own: float) -> bool:
+    """Whether a plan's Gluon wide launch (`wide.hopper`, 128-row units) takes 128-key tiles of
+    two chunks (`hopper_pairs`: 64-slot chunks of a 16-bit cache, no unit storing a new key)
+    where the shared products bound the step: its units hold every SM (`every_sm`:
+    `grids.wide_sms` left none to the tails) and a wide item walks PAIRS_OVER_TAILS x the
+    entries of a tail (`shared`, `own`: the means; `own` 0: no tails). On an H200 those steps
+    of the Hydragen grid (128-key tails under 8K and 16K shared keys) took 2-7% less time; where
+    the tails are longer (2K shared keys, or 512-key tails), 0-5% more, the tails beside the
+    CTA streaming slower: there `hopper`'s 64-key tiles (kernels-notes.md, issue 25 part
+    twenty-seven)."""
+    return (wide.hopper and wide.block_m == 128 and chunk_size == 64 and not fp8 and not stores and every_sm
+            and shared >= PAIRS_OVER_TAILS * own)
 
 
 def next_pow2(x: int) -> int:

@@ -80,10 +80,8 @@ from .hopper_products import (
 )
 
 BLOCK_M = 128  # rows of a unit at most: two warpgroups of 64
-BLOCK_N = 64  # keys per K/V tile. 128-key tiles (two chunks) with K and V released apart run the
-# launch alone 6-9% faster, but only at 240 registers a row thread, the room the tails take beside
-# the CTA: steps -4% to +10% (at 176 registers, without the pipeline: -4% to +5%; issue 25 part
-# twenty-seven; part two's, one release a stage: 0.83-0.87x)
+BLOCK_N = 64  # keys per K/V tile (128-key tiles of two chunks: `hopper_pairs`, where the products
+# bound the step; with this pipeline they need 240 registers a row thread, the tails' room beside)
 STAGES = 3  # K/V ring depth, 3 x 32 KiB + Q 32 KiB at D 128 (4: 0-6% slower, 2: 20-30%)
 # x 384 threads: the CTA's registers. Each of the SM's four sub-partitions holds 16K registers
 # (512 a thread of each of its warps) and 3 of this CTA's warps; what they leave takes one warp

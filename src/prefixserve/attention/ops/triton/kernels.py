@@ -27,7 +27,7 @@ import torch
 
 from ...base import AttentionBatch, AttentionShape
 from ...plan import DeviceExtras, DevicePlan, HostArrays, HostExtras, required
-from .configs import NARROW_ROWS, KernelConfig, choose_configs
+from .configs import NARROW_ROWS, KernelConfig, choose_configs, wide_pairs
 from .launch import Launch, grid_size, hopper_module, launch_worklist, num_sms
 from .merge import UNROLL, merge_rows, unroll_for
 from .store import store_kv
@@ -59,8 +59,8 @@ class TritonKernels:
         self.queues = torch.zeros((2, 2), dtype=torch.int32, device=shape.device)
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         # what a padded plan bakes into its graph besides shapes: stores (any, narrow, wide), fused,
-        # the narrow launch beside the wide one (`merge_beside`)
-        self._padded_baked: tuple[bool, bool, bool, bool, bool] | None = None
+        # the narrow launch beside the wide one (`merge_beside`), the wide kernel's tiles (`pairs`)
+        self._padded_baked: tuple[bool, bool, bool, bool, bool, bool] | None = None
 
     def plan_extra(self, batch: AttentionBatch, arrays: HostArrays) -> HostExtras:
         """Work list of a plan's index arrays: device arrays `narrow`, `wide` (units),
@@ -110,13 +110,19 @@ class TritonKernels:
             wl = work_list(configs)
         stores = (wl.stores, bool(wl.stores and (wl.narrow[:, 5] != -1).any()),
                   bool(wl.stores and (wl.wide[:, 5] != -1).any()))  # (any, narrow, wide)
+        # the wide launch over chunk pairs where the products bound the step (`wide_pairs`)
+        entries, is_wide = np.diff(required(arrays, "item_kv_indptr")), q_len * self.group > NARROW_ROWS
+        shared, own = (float(entries[m].mean()) if m.any() else 0.0 for m in (is_wide, ~is_wide))
+        if gluon and not self.configs and wide_pairs(configs[1], batch.chunk_size, fp8, stores[2],
+                                                     wl.wide_sms == self.sms, shared, own):
+            configs = (configs[0], dataclasses.replace(configs[1], pairs=True))
         if padded:
             self._reserve_scratch(wl.num_partials)
             # (fixed in practice: decode tails are narrow units iff G <= 16; the narrow units
             # merge unless a row's tail is split; the walk beside -- and over a 16-bit cache the
             # walk itself -- flips as the tails outgrow half the shared keys: about once in a
             # batch's life, each flip one more capture)
-            baked = (*stores, wl.fused is not None, configs[0].merge_beside)
+            baked = (*stores, wl.fused is not None, configs[0].merge_beside, configs[1].pairs)
             if baked != self._padded_baked:
                 self._padded_baked = baked
                 self.generation += 1

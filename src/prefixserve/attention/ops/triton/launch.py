@@ -1,7 +1,8 @@
 """The attend launches, host side: which kernel runs a launch, its checks and arguments, its grid.
 
     launch_units    one launch of work units: the Gluon row walk (`hopper_rows`) or the Gluon
-                    wide launch (`hopper`) where the launch's config asks for it and it applies
+                    wide launch (`hopper`, over chunk pairs `hopper_pairs` where the config's
+                    `pairs` says so) where the launch's config asks for it and it applies
                     (sm_90, the Triton they are tested on: `hopper_module`), else the Triton
                     kernel (`attend`), its persistent grid trimmed to the programs the GPU holds
                     at once (`resident_programs`)
@@ -153,9 +154,11 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             return
         hopper = hopper_module() if cfg.hopper else None
         if hopper and hopper.applies(q, k_cache, cfg.block_m, causal, window, slots is not None):
-            hopper.launch(q, k_cache, v_cache, units, count, kv_chunk, kv_lo, kv_hi, scale, o,
-                          lse, min(programs, num_sms(q.device)), cfg.block_m, cfg.maxnreg,
-                          trigger, new_kv, kv_scale)
+            gluon = hopper_module("hopper_pairs") if cfg.pairs else hopper
+            assert gluon is not None  # (the same Triton as `hopper`)
+            gluon.launch(q, k_cache, v_cache, units, count, kv_chunk, kv_lo, kv_hi, scale, o, lse,
+                         min(programs, num_sms(q.device)), cfg.block_m, cfg.maxnreg, trigger, new_kv,
+                         kv_scale)
             return
         programs = min(programs, resident_programs(args, meta, q.device))
     _attend_kernel[(programs,)](*args, **meta)
