@@ -2,8 +2,8 @@
 
 The same function as `hopper`'s kernel (twin: `ops.reference.attend_items`) for its 128-row
 units over a 16-bit cache of 64-slot chunks, where no unit stores a new key. The plan takes it
-where the wide units hold every SM (`configs.wide_pairs`): the shared products then bound the
-step. A tile is two chunks (two TMA copies each for K and V into the halves of a stage, each
+where the shared products bound the step (`configs.wide_pairs`: the wide units hold every SM
+and walk 32x a tail's entries). A tile is two chunks (two TMA copies each for K and V into the halves of a stage, each
 half's slots masked by its own entry's bounds, the second masked whole where a unit has an odd
 number of entries), and the K and V rings are released apart, as FlashAttention-3's two
 pipelines: a K stage as soon as its scores' wgmma retired, so that the next K tile loads while
@@ -62,7 +62,8 @@ STAGES = gl.constexpr(2)  # each ring: 2 x 32 KiB of K, of V (+ Q 32 KiB: 160 Ki
 
 
 def applies(k_cache: torch.Tensor, block_m: int, new_kv: object, kv_scale: object) -> bool:
-    """Where `hopper.applies` and this kernel's own conditions hold (see the module docstring)."""
+    """This kernel's own conditions, beyond `hopper.applies` (which `launch.launch_units` checks
+    first): 64-slot chunks of a 16-bit cache, units of more than 64 rows, none storing a key."""
     return (k_cache.shape[1] == CHUNK.value and k_cache.dtype != FP8 and block_m > 64 and new_kv is None
             and kv_scale is None)
 
