@@ -110,12 +110,11 @@ class TritonKernels:
             wl = work_list(configs)
         stores = (wl.stores, bool(wl.stores and (wl.narrow[:, 5] != -1).any()),
                   bool(wl.stores and (wl.wide[:, 5] != -1).any()))  # (any, narrow, wide)
-        # the wide launch over chunk pairs where the products bound the step (`wide_pairs`)
-        entries, is_wide = np.diff(required(arrays, "item_kv_indptr")), q_len * self.group > NARROW_ROWS
-        shared, own = (float(entries[m].mean()) if m.any() else 0.0 for m in (is_wide, ~is_wide))
-        if gluon and not self.configs and wide_pairs(configs[1], batch.chunk_size, fp8, stores[2],
-                                                     wl.wide_sms == self.sms, shared, own):
-            configs = (configs[0], dataclasses.replace(configs[1], pairs=True))
+        if gluon and not self.configs:  # the wide launch over chunk pairs where the products bound the step
+            entries, is_wide = np.diff(required(arrays, "item_kv_indptr")), q_len * self.group > NARROW_ROWS
+            shared, own = (float(entries[m].mean()) if m.any() else 0.0 for m in (is_wide, ~is_wide))
+            if wide_pairs(configs[1], batch.chunk_size, fp8, stores[2], wl.wide_sms == self.sms, shared, own):
+                configs = (configs[0], dataclasses.replace(configs[1], pairs=True))
         if padded:
             self._reserve_scratch(wl.num_partials)
             # (fixed in practice: decode tails are narrow units iff G <= 16; the narrow units
