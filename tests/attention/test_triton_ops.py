@@ -376,6 +376,38 @@ def test_a_graphs_plan_is_captured_again_when_the_walk_flips(monkeypatch):
     assert graph_plans(rows, "narrow_walk") == [(False, 0), (False, 0), (True, 1)]
 
 
+def test_plans_take_the_swapped_walk_where_the_wide_units_leave_sms(monkeypatch):
+    """Where the Gluon swapped walk runs (made to seem so here, with the Gluon wide kernel, 16
+    SMs), a decode step of G 4 over a 16-bit cache takes its narrow shape where the wide units
+    leave a quarter of the SMs or more to the tails (96 sequences under 256 shared keys, 44
+    of their own: 3 row blocks x 4 KV heads on 6 SMs), and the Triton kernel's elsewhere (256
+    sequences under 1,024 shared keys, 17 of their own: 32 units on all 16 SMs).
+    The same output as the twin (on the CPU from
+    the Triton kernel in the walk's shape). A graph's plan is captured again when it flips."""
+    from prefixserve.bench.kernels.rows import Workload, build
+
+    monkeypatch.setattr("prefixserve.attention.ops.triton.kernels._gluon_tails", lambda shape: True)
+    monkeypatch.setattr("prefixserve.attention.ops.triton.kernels._gluon_wide", lambda shape, chunk: True)
+    walk = choose_configs(4096, 128, 2, gluon=True, tails=True)[0]
+    assert walk.tails and walk.dynamic and walk.block_n == 64 and walk.num_warps == 4
+    assert not choose_configs(32, 128, 2, gluon=True, tails=True)[0].tails  # beside 128-row units only
+    rows = [build(Workload("test", b, 16, 4, 128, context, (shared,), 16, "float16"), DEVICE)
+            for b, context, shared in ((96, 300, 256), (256, 1040, 1024))]
+    for row, on in zip(rows, (True, False), strict=True):
+        backend = RelayBackend(row.shape, kernels=tops.TritonKernels(row.shape, sms=16))
+        backend.plan(row.batch)
+        x = backend.current.extra
+        assert x["narrow_tails"] == on and x["wide_block_m"] == 128 and x["narrow_programs"] > 0
+        assert not on or backend.kernels.launch_config(x, "narrow") == walk
+        args = (row.q, row.k, row.v, row.k_cache.clone(), row.v_cache.clone())
+        o = backend.run(*args)
+        twin = RelayBackend(row.shape, kernels=ops.ReferenceKernels(row.shape))
+        twin.plan(row.batch)
+        ref = twin.run(*args[:3], row.k_cache.clone(), row.v_cache.clone())
+        assert (o.float() - ref.float()).abs().max() <= 4 * U[torch.float16] * row.vmax
+    assert graph_plans(rows[::-1] + rows[::-1][1:], "narrow_tails") == [(False, 0), (True, 1), (True, 1)]
+
+
 def graph_plans(rows: list, key: str) -> list[tuple[bool, int]]:
     """Relay's padded (graph) plans of `rows` in turn on one TritonKernels (16 SMs): each plan's
     extra `key`, and the kernels' generation counted from the first plan's."""

@@ -25,6 +25,7 @@ class KernelConfig:
     # (unless the plan gives the wide units SMs of their own, `grids.walk_sms`: then merge_beside instead)
     merge_beside: bool = False  # a narrow launch beside the wide one (PDL) whose units merge once it ends
     pairs: bool = False  # a wide launch: Gluon's 128-key tiles of two chunks (`hopper_pairs`, `wide_pairs`)
+    tails: bool = False  # a narrow launch of G > 1, no position mask: the Gluon swapped walk (`hopper_tails`)
 
 
 NARROW_ROWS = 16  # items with q_len * G <= this run in the narrow launch (decode tails)
@@ -54,7 +55,7 @@ def next_pow2(x: int) -> int:
 
 
 def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool = False,
-                   fp8: bool = False, walk: bool = False) -> tuple[KernelConfig, KernelConfig]:
+                   fp8: bool = False, walk: bool = False, tails: bool = False) -> tuple[KernelConfig, KernelConfig]:
     """(narrow, wide) launch shapes, from sweeps on an H200 (benchmarks/kernels-notes.md).
 
     narrow: one query row x G heads (decode tails) in a 16-row tile; the step is a stream of
@@ -103,6 +104,14 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     are 3x a tail's took 1-11% less time (part twenty-four); after the products 1-5% more
     (part seventeen), and on paged decode within 0.6%, the engine's 1,024 x 16K step 1-4%
     slower (part nine).
+    tails: the narrow units may run the Gluon swapped walk (`hopper_tails.supports`: G 2-16,
+    a 16-bit cache, D 128, a step with no position mask) beside 128-row Gluon units: one-
+    warpgroup CTAs, 64-key tiles, 2 stages (74 KB: one beside the wide CTA, 3 on a free SM),
+    items from a counter. Taken only where the wide units leave a quarter of the SMs or more
+    to the tails (`TritonKernels.plan_extra`; the SMs from `grids.wide_sms`, its tiles counted
+    as two of the model's 16 KB ones): there the Hydragen grid's steps took 1-7% less time on
+    an H200 (b1024 x 2K shared keys with 128-key tails: 2% more); with the products on every
+    SM, up to 8% more (issue 25 part twenty-eight).
     fp8 wide tiles of <= 64 rows (Triton's, off sm_90: there the Gluon kernel widens them):
     5 stages, so that the pipeliner double-buffers the K/V tiles (below 5 it gives them one
     buffer: their addresses come from loads); on an H200 Table 3's fp8 rows took 2-15% less
@@ -120,6 +129,9 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
                               after_wide=0 < max_wide_rows and wide_m < 128)
     elif fp8:
         narrow = KernelConfig(NARROW_ROWS, block_n // 2, num_warps=2, num_stages=5)
+    elif gluon and wide_m == 128 and tails:
+        narrow = KernelConfig(NARROW_ROWS, 64, num_warps=4, programs_per_sm=3, maxnreg=NARROW_REGS_BESIDE_GLUON,
+                              dynamic=True, tails=True)
     elif gluon and wide_m == 128:
         narrow = KernelConfig(NARROW_ROWS, block_n // 2, num_warps=2, programs_per_sm=8,
                               maxnreg=NARROW_REGS_BESIDE_GLUON, dynamic=True)

@@ -59,8 +59,9 @@ class TritonKernels:
         self.queues = torch.zeros((2, 2), dtype=torch.int32, device=shape.device)
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         # what a padded plan bakes into its graph besides shapes: stores (any, narrow, wide), fused,
-        # the narrow launch beside the wide one (`merge_beside`), the wide kernel's tiles (`pairs`)
-        self._padded_baked: tuple[bool, bool, bool, bool, bool, bool] | None = None
+        # the narrow launch beside the wide one (`merge_beside`), its swapped walk (`tails`), the
+        # wide kernel's tiles (`pairs`)
+        self._padded_baked: tuple[bool, bool, bool, bool, bool, bool, bool] | None = None
 
     def plan_extra(self, batch: AttentionBatch, arrays: HostArrays) -> HostExtras:
         """Work list of a plan's index arrays: device arrays `narrow`, `wide` (units),
@@ -86,8 +87,14 @@ class TritonKernels:
                 and (padded or not items_need_causal(required(arrays, "item_q_start"), q_len,
                                                      required(arrays, "item_kv_indptr"),
                                                      q_len <= NARROW_ROWS, *positions)))
+        # the narrow units' swapped walk (G 2-16, a 16-bit cache): as the row walk, decode only
+        tails = (not batch.windowed and _gluon_tails(s)
+                 and (padded or not items_need_causal(required(arrays, "item_q_start"), q_len,
+                                                      required(arrays, "item_kv_indptr"),
+                                                      q_len * self.group <= NARROW_ROWS, *positions)))
         fp8 = s.kv_itemsize == 1
-        configs = self.configs or choose_configs(rows_hint, s.head_dim, s.dtype.itemsize, gluon, fp8=fp8, walk=walk)
+        configs = self.configs or choose_configs(rows_hint, s.head_dim, s.dtype.itemsize, gluon, fp8=fp8, walk=walk,
+                                                 tails=tails)
 
         def work_list(configs: tuple[KernelConfig, KernelConfig]) -> WorkList:
             return build_worklist(required(arrays, "item_q_start"), q_len, required(arrays, "item_out_start"),
@@ -101,6 +108,13 @@ class TritonKernels:
         assert not (padded and any(wl.causal)), "a padded (graph) step must be a decode step"
         if configs[0].after_wide and wl.wide_sms < self.sms:  # the walk beside the wide units after all
             configs = (dataclasses.replace(configs[0], after_wide=False, merge_beside=True), configs[1])
+        elif (configs[0].tails and not self.configs
+              and 4 * grid_size(len(wl.wide), s.num_kv_heads, configs[1], wl.wide_sms, fixed=False) > 3 * self.sms):
+            # the swapped walk only where the wide units leave a quarter of the SMs or more to
+            # the tails: beside the products it streams no faster than the Triton kernel's 2
+            # programs there (a second work list, as for the walk below)
+            configs = (choose_configs(rows_hint, s.head_dim, s.dtype.itemsize, gluon)[0], configs[1])
+            wl = work_list(configs)
         elif configs[0].walk and not fp8 and not self.configs:
             # a 16-bit cache's walk runs only beside them: elsewhere the Triton kernel's units
             # (a second work list -- 0.6 ms more of host time a plan on Table 3's shapes, which
@@ -113,7 +127,8 @@ class TritonKernels:
         if gluon and not self.configs:  # the wide launch over chunk pairs where the products bound the step
             entries, is_wide = np.diff(required(arrays, "item_kv_indptr")), q_len * self.group > NARROW_ROWS
             shared, own = (float(entries[m].mean()) if m.any() else 0.0 for m in (is_wide, ~is_wide))
-            if wide_pairs(configs[1], batch.chunk_size, fp8, stores[2], wl.wide_sms == self.sms, shared, own):
+            if (not configs[0].tails  # (the swapped walk's CTA beside the pairs' does not fit an SM)
+                    and wide_pairs(configs[1], batch.chunk_size, fp8, stores[2], wl.wide_sms == self.sms, shared, own)):
                 configs = (configs[0], dataclasses.replace(configs[1], pairs=True))
         if padded:
             self._reserve_scratch(wl.num_partials)
@@ -121,7 +136,7 @@ class TritonKernels:
             # merge unless a row's tail is split; the walk beside -- and over a 16-bit cache the
             # walk itself -- flips as the tails outgrow half the shared keys: about once in a
             # batch's life, each flip one more capture)
-            baked = (*stores, wl.fused is not None, configs[0].merge_beside, configs[1].pairs)
+            baked = (*stores, wl.fused is not None, configs[0].merge_beside, configs[0].tails, configs[1].pairs)
             if baked != self._padded_baked:
                 self._padded_baked = baked
                 self.generation += 1
@@ -213,11 +228,20 @@ def _gluon_wide(shape: AttentionShape, chunk_size: int) -> bool:
 
 def _gluon_rows(shape: AttentionShape) -> bool:
     """Whether this shape's narrow launches may run the Gluon row walk (`hopper_rows`)."""
+    return _gluon_narrow(shape, "hopper_rows")
+
+
+def _gluon_tails(shape: AttentionShape) -> bool:
+    """Whether this shape's narrow launches may run the Gluon swapped walk (`hopper_tails`)."""
+    return _gluon_narrow(shape, "hopper_tails")
+
+
+def _gluon_narrow(shape: AttentionShape, name: str) -> bool:
     if torch.device(shape.device).type != "cuda":
         return False
-    rows = hopper_module("hopper_rows")
-    return rows is not None and rows.supports(shape.device, shape.dtype, shape.kv_dtype or shape.dtype,
-                                              shape.num_heads // shape.num_kv_heads, shape.head_dim)
+    module = hopper_module(name)
+    return module is not None and module.supports(shape.device, shape.dtype, shape.kv_dtype or shape.dtype,
+                                                  shape.num_heads // shape.num_kv_heads, shape.head_dim)
 
 
 def _int(x: DeviceExtras, name: str) -> int:

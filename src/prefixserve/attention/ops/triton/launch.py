@@ -46,7 +46,7 @@ def gluon_tested(version: str) -> bool:
 @functools.cache
 def hopper_module(name: str = "hopper") -> ModuleType | None:
     """`ops.triton.<name>`, a Gluon launch for sm_90 (hopper: the wide launch; hopper_rows: the
-    narrow row walk), where this Triton is the one it was written and tested against; None
+    narrow row walk; hopper_tails: the narrow swapped walk), where this Triton is the one it was written and tested against; None
     elsewhere (the Triton kernel runs every launch). Imported on first use: it loads Gluon,
     which only a GPU run needs."""
     if not gluon_tested(triton.__version__):
@@ -147,6 +147,11 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if pdl:
         meta["launch_pdl"] = True
     if cuda:
+        tails = hopper_module("hopper_tails") if cfg.tails else None
+        if tails and tails.applies(q, k_cache, cfg.block_n, causal, window):
+            tails.launch(q, k_cache, v_cache, units, count, kv_chunk, kv_lo, kv_hi, scale, o, lse, programs,
+                         cfg.num_stages, cfg.maxnreg, new_kv, queue)
+            return
         walk = hopper_module("hopper_rows") if cfg.walk else None
         if walk and walk.applies(q, k_cache, cfg.block_n, causal, window):
             walk.launch(q, k_cache, v_cache, units, count, kv_chunk, kv_lo, kv_hi, scale, o, lse, programs,

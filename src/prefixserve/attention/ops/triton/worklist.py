@@ -139,8 +139,9 @@ def build_worklist(q_start: npt.ArrayLike, q_len: npt.ArrayLike, out_start: npt.
     if (narrow_cfg.dynamic and not narrow_cfg.after_wide and wide_cfg.block_m == 128 and wide_cfg.programs_per_sm == 1
             and is_wide.any() and not is_wide.all()):
         keys = _item_keys(num_entries * pad, kv_indptr, positions)[~is_wide].sum()
+        tile_keys = narrow_cfg.block_n // 2 if narrow_cfg.tails else narrow_cfg.block_n  # (the model's 16 KB tiles)
         wide_sms = grids.wide_sms(q_len[is_wide], num_entries[is_wide], wide_cfg, group, num_kv_heads, pad,
-                             itemsize, num_sms, int(keys) * num_kv_heads / narrow_cfg.block_n)
+                             itemsize, num_sms, int(keys) * num_kv_heads / tile_keys)
     narrow_cls = ~is_wide
     entries[narrow_cls], num_splits[narrow_cls] = grids.split_items(q_len[narrow_cls], num_entries[narrow_cls], narrow_cfg,
                                                           group, num_kv_heads, pad, itemsize, num_sms)
