@@ -381,9 +381,12 @@ def test_plans_take_the_swapped_walk_where_the_wide_units_leave_sms(monkeypatch)
     SMs), a decode step of G 4 over a 16-bit cache takes its narrow shape where the wide units
     leave a quarter of the SMs or more to the tails (96 sequences under 256 shared keys, 44
     of their own: 3 row blocks x 4 KV heads on 6 SMs), and the Triton kernel's elsewhere (256
-    sequences under 1,024 shared keys, 17 of their own: 32 units on all 16 SMs).
-    The same output as the twin (on the CPU from
+    sequences under 1,024 shared keys, 17 of their own: 32 units on all 16 SMs), and a plan
+    builds one work list once the choice is made (on an H200 a second one on every plan made
+    a host-bound engine step 33% longer: kernels-notes.md, issue 25 part twenty-eight). The
+    same output as the twin (on the CPU from
     the Triton kernel in the walk's shape). A graph's plan is captured again when it flips."""
+    from prefixserve.attention.ops.triton import kernels as tk
     from prefixserve.bench.kernels.rows import Workload, build
 
     monkeypatch.setattr("prefixserve.attention.ops.triton.kernels._gluon_tails", lambda shape: True)
@@ -393,9 +396,15 @@ def test_plans_take_the_swapped_walk_where_the_wide_units_leave_sms(monkeypatch)
     assert not choose_configs(32, 128, 2, gluon=True, tails=True)[0].tails  # beside 128-row units only
     rows = [build(Workload("test", b, 16, 4, 128, context, (shared,), 16, "float16"), DEVICE)
             for b, context, shared in ((96, 300, 256), (256, 1040, 1024))]
+    builds = []
+    build_worklist = tk.build_worklist
+    monkeypatch.setattr(tk, "build_worklist", lambda *a, **k: builds.append(1) or build_worklist(*a, **k))
     for row, on in zip(rows, (True, False), strict=True):
         backend = RelayBackend(row.shape, kernels=tops.TritonKernels(row.shape, sms=16))
-        backend.plan(row.batch)
+        for batch in (build(row.w, DEVICE, seed=1).batch, row.batch):  # a plan's work lists: two where
+            builds.clear()  # the walk's choice flips, then one
+            backend.plan(batch)
+            assert len(builds) == (2 if on and batch is not row.batch else 1)
         x = backend.current.extra
         assert x["narrow_tails"] == on and x["wide_block_m"] == 128 and x["narrow_programs"] > 0
         assert not on or backend.kernels.launch_config(x, "narrow") == walk

@@ -62,6 +62,7 @@ class TritonKernels:
         # the narrow launch beside the wide one (`merge_beside`), its swapped walk (`tails`), the
         # wide kernel's tiles (`pairs`)
         self._padded_baked: tuple[bool, bool, bool, bool, bool, bool, bool] | None = None
+        self._tails = False  # the last plan's narrow units took the swapped walk (`_tails_flips`)
 
     def plan_extra(self, batch: AttentionBatch, arrays: HostArrays) -> HostExtras:
         """Work list of a plan's index arrays: device arrays `narrow`, `wide` (units),
@@ -93,8 +94,10 @@ class TritonKernels:
                                                       required(arrays, "item_kv_indptr"),
                                                       q_len * self.group <= NARROW_ROWS, *positions)))
         fp8 = s.kv_itemsize == 1
+        # (the swapped walk's shape first only where the last plan took it: the choice below
+        # needs a work list, and a second one costs host time that a host-bound step pays)
         configs = self.configs or choose_configs(rows_hint, s.head_dim, s.dtype.itemsize, gluon, fp8=fp8, walk=walk,
-                                                 tails=tails)
+                                                 tails=tails and self._tails)
 
         def work_list(configs: tuple[KernelConfig, KernelConfig]) -> WorkList:
             return build_worklist(required(arrays, "item_q_start"), q_len, required(arrays, "item_out_start"),
@@ -108,12 +111,12 @@ class TritonKernels:
         assert not (padded and any(wl.causal)), "a padded (graph) step must be a decode step"
         if configs[0].after_wide and wl.wide_sms < self.sms:  # the walk beside the wide units after all
             configs = (dataclasses.replace(configs[0], after_wide=False, merge_beside=True), configs[1])
-        elif (configs[0].tails and not self.configs
-              and 4 * grid_size(len(wl.wide), s.num_kv_heads, configs[1], wl.wide_sms, fixed=False) > 3 * self.sms):
+        elif tails and not self.configs and self._tails_flips(configs[0].tails, len(wl.wide), wl.wide_sms, configs[1]):
             # the swapped walk only where the wide units leave a quarter of the SMs or more to
             # the tails: beside the products it streams no faster than the Triton kernel's 2
-            # programs there (a second work list, as for the walk below)
-            configs = (choose_configs(rows_hint, s.head_dim, s.dtype.itemsize, gluon)[0], configs[1])
+            # programs there (either shape's work list gives the wide units the same SMs)
+            configs = (choose_configs(rows_hint, s.head_dim, s.dtype.itemsize, gluon, tails=self._tails)[0],
+                       configs[1])
             wl = work_list(configs)
         elif configs[0].walk and not fp8 and not self.configs:
             # a 16-bit cache's walk runs only beside them: elsewhere the Triton kernel's units
@@ -188,6 +191,13 @@ class TritonKernels:
             merge_rows(o_s, lse_s, _tensor(x, "merge_indptr"), _tensor(x, "merge_parts"), out, None,
                        pdl=beside, unroll=_int(x, "merge_unroll"))
         return out
+
+    def _tails_flips(self, taken: bool, wide_units: int, wide_sms: int, wide: KernelConfig) -> bool:
+        """Whether the narrow units' shape must flip to (or from) the swapped walk's: it runs
+        where the wide units (`wide_units` x KV heads over `wide_sms` SMs) leave a quarter of
+        the SMs or more. Remembers the choice for the next plan's first try."""
+        self._tails = 4 * grid_size(wide_units, self.shape.num_kv_heads, wide, wide_sms, fixed=False) <= 3 * self.sms
+        return self._tails != taken
 
     @staticmethod
     def launch_config(extra: DeviceExtras, cls: str) -> KernelConfig:
