@@ -111,7 +111,7 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     to the tails (`TritonKernels.plan_extra`; the SMs from `grids.wide_sms`, its tiles counted
     as two of the model's 16 KB ones): there the Hydragen grid's steps took 1-7% less time on
     an H200 (b1024 x 2K shared keys with 128-key tails: 2% more); with the products on every
-    SM, up to 8% more (issue 25 part twenty-eight).
+    SM, up to 10% more (issue 25 part twenty-eight).
     fp8 wide tiles of <= 64 rows (Triton's, off sm_90: there the Gluon kernel widens them):
     5 stages, so that the pipeliner double-buffers the K/V tiles (below 5 it gives them one
     buffer: their addresses come from loads); on an H200 Table 3's fp8 rows took 2-15% less

@@ -31,7 +31,7 @@ thread, 74 KB of shared memory) fits beside the Gluon wide CTA, 3 on a free SM.
 Measured on an H200 against the Triton narrow launch (relay's step; kernels-notes.md, issue 25
 part twenty-eight): where the wide units leave a quarter of the SMs or more to the tails, the
 Hydragen grid's steps with 512-key tails 1-7% shorter, with 128-key tails -1%..+2%; where the
-products hold every SM, 1-8% longer (beside one CTA an SM it streams no more than the Triton
+products hold every SM, up to 10% longer (beside one CTA an SM it streams no more than the Triton
 kernel's two, and the chunk pairs' CTA leaves it no room): `configs.choose_configs`,
 `TritonKernels.plan_extra`.
 
