@@ -13,6 +13,7 @@
     hopper_products.py  its row warpgroups: the Q tile, the pipelined walk, the online softmax
     hopper_pairs.py  the same over 128-key tiles of two chunks, for steps the products bound
     hopper_rows.py  the narrow launch of G 1 decode tails on sm_90, in Gluon: a row walk
+    hopper_tails.py  the narrow launch of G 2-16 decode tails on sm_90, in Gluon: keys as wgmma's M
 
 triton is imported lazily (attribute access below), so this package imports on a CPU-only
 machine without triton; `worklist` never needs it.
