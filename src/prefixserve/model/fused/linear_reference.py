@@ -34,8 +34,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     pad = -m % ROWS
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, k)])
-    wide = x2.dtype in (torch.bfloat16, torch.float16)
-    x2, w = (x2.float(), weight.float()) if wide else (x2, weight)
+    half = x2.dtype in (torch.bfloat16, torch.float16)  # (the weight widened once a call)
+    x2, w = (x2.float(), weight.float()) if half else (x2, weight)
     y = torch.cat([nn.functional.linear(x2[i:i + ROWS], w) for i in range(0, m + pad, ROWS)]).to(x.dtype) \
         if m else x2.new_empty(0, weight.shape[0]).to(x.dtype)
     y = y[:m] if bias is None else y[:m] + bias

@@ -46,9 +46,9 @@ def gluon_tested(version: str) -> bool:
 @functools.cache
 def hopper_module(name: str = "hopper") -> ModuleType | None:
     """`ops.triton.<name>`, a Gluon launch for sm_90 (hopper: the wide launch; hopper_rows: the
-    narrow row walk; hopper_tails: the narrow swapped walk), where this Triton is the one it was written and tested against; None
-    elsewhere (the Triton kernel runs every launch). Imported on first use: it loads Gluon,
-    which only a GPU run needs."""
+    narrow row walk; hopper_tails: the narrow swapped walk), where this Triton is the one it
+    was written and tested against; None elsewhere (the Triton kernel runs every launch).
+    Imported on first use: it loads Gluon, which only a GPU run needs."""
     if not gluon_tested(triton.__version__):
         log.info("triton %s: the Gluon launches are tested on %d.%d only; using the Triton "
                  "kernel for every launch", triton.__version__, *GLUON_TRITON)
