@@ -23,8 +23,9 @@ lint: $(STAMP)
 	$(PY) -m ruff check src tests
 	$(PY) -m mypy
 
+# -n auto: one worker a core, at most 4 (each holds its own engines); loadgroup: conftest.py's groups.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadgroup tests
 
 # The soak test for minutes (`make test` runs it for 15 s); prints its figures as `soak: {json}`.
 SOAK_SECONDS ?= 300

@@ -20,8 +20,23 @@ assert "numpy" not in sys.modules or os.environ.get("PREFIXSERVE_TRITON_TEST_DEV
 os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from prefixserve import LLM  # noqa: E402
+
+# `make test` runs the tests in pytest-xdist workers (two on CI's two cores): each worker takes
+# its share of the cores for torch's threads, so that two workers' GEMMs do not oversubscribe them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (`--dist loadgroup`)
+def pytest_collection_modifyitems(items):
+    """A module's tests run on one worker, in order, so its module-scoped servers and engines are
+    built once; the Ray tests all run on one worker, one at a time (each starts a local cluster)."""
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group("serve_ray" if module.startswith("tests/serve_ray/") else module))
 
 
 @pytest.fixture(scope="session")
