@@ -25,9 +25,10 @@ import torch  # noqa: E402
 from prefixserve import LLM  # noqa: E402
 
 # `make test` runs the tests in pytest-xdist workers (two on CI's two cores): each worker takes
-# its share of the cores for torch's threads, so that two workers' GEMMs do not oversubscribe them.
+# its share of torch's threads (as a tensor-parallel worker does), so that two workers' GEMMs do
+# not oversubscribe the cores.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (`--dist loadgroup`)

@@ -11,7 +11,7 @@ of some [ROWS, K] x [K, N] product. The bias is added after, elementwise: with i
 product (addmm) one CPU's BLAS (the lent GPU machine's) gave a row other bits at another place in
 its block.
 
-A 16-bit product runs as the fp32 product of its values (exact in fp32), rounded once to the
+A 16-bit product runs as the fp32 product of its values (each exact in fp32), rounded once to the
 16-bit type, as a 16-bit GEMM accumulates in fp32 and rounds its output: the same fixed
 blocks, and on a CPU without bf16 instructions (an AVX2-only AMD EPYC) torch's own bf16 CPU
 GEMM took 21x the fp32 one's time (16 x 576 x 1,536: 24.5 vs 1.1 ms), which made deterministic
@@ -34,9 +34,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     pad = -m % ROWS
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, k)])
-    half = x2.dtype in (torch.bfloat16, torch.float16)  # (the weight widened once a call)
-    x2, w = (x2.float(), weight.float()) if half else (x2, weight)
-    y = torch.cat([nn.functional.linear(x2[i:i + ROWS], w) for i in range(0, m + pad, ROWS)]).to(x.dtype) \
-        if m else x2.new_empty(0, weight.shape[0]).to(x.dtype)
+    if x2.dtype in (torch.bfloat16, torch.float16):  # (the weight widened once a call)
+        x2, weight = x2.float(), weight.float()
+    y = (torch.cat([nn.functional.linear(x2[i:i + ROWS], weight) for i in range(0, m + pad, ROWS)])
+         if m else x2.new_empty(0, weight.shape[0])).to(x.dtype)
     y = y[:m] if bias is None else y[:m] + bias
     return y.reshape(*lead, weight.shape[0])
