@@ -417,6 +417,24 @@ def test_plans_take_the_swapped_walk_where_the_wide_units_leave_sms(monkeypatch)
     assert graph_plans(rows[::-1] + rows[::-1][1:], "narrow_tails") == [(False, 0), (True, 1), (True, 1)]
 
 
+def test_plans_take_the_swapped_walk_beside_one_wave_of_wide_units(monkeypatch):
+    """Where the wide units hold every SM in one wave, the swapped walk runs beside them if a
+    wide item walks fewer than WALK_OVER_TAILS x a tail's entries (64 sequences under 1,024
+    shared keys, 33 of their own: 64 / 3 entries; 2 row blocks x 4 KV heads split in 2 on all
+    16 SMs), and not at 64x (10 of their own: one entry)."""
+    from prefixserve.bench.kernels.rows import Workload, build
+
+    monkeypatch.setattr("prefixserve.attention.ops.triton.kernels._gluon_tails", lambda shape: True)
+    monkeypatch.setattr("prefixserve.attention.ops.triton.kernels._gluon_wide", lambda shape, chunk: True)
+    for context, on in ((1056, True), (1034, False)):
+        row = build(Workload("test", 64, 16, 4, 128, context, (1024,), 16, "float16"), DEVICE)
+        backend = RelayBackend(row.shape, kernels=tops.TritonKernels(row.shape, sms=16))
+        backend.plan(row.batch)
+        x = backend.current.extra
+        assert int(x["unit_counts"][2]) * 4 == 16 and int(x["wide_programs"]) == 16  # every SM, one wave
+        assert bool(x["narrow_tails"]) == on
+
+
 def graph_plans(rows: list, key: str) -> list[tuple[bool, int]]:
     """Relay's padded (graph) plans of `rows` in turn on one TritonKernels (16 SMs): each plan's
     extra `key`, and the kernels' generation counted from the first plan's."""

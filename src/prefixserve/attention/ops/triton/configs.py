@@ -33,6 +33,7 @@ NARROW_REGS_BESIDE_GLUON = 128  # a narrow thread's registers beside the Gluon C
 
 
 PAIRS_OVER_TAILS = 32  # `wide_pairs` where a wide item's entries are this many x a tail's, or more
+WALK_OVER_TAILS = 64  # the swapped walk beside one wave of wide units whose items walk fewer entries than this x a tail's
 
 
 def wide_pairs(wide: KernelConfig, chunk_size: int, fp8: bool, stores: bool, every_sm: bool,
@@ -107,11 +108,12 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     tails: the narrow units may run the Gluon swapped walk (`hopper_tails.supports`: G 2-16,
     a 16-bit cache, D 128, a step with no position mask) beside 128-row Gluon units: one-
     warpgroup CTAs, 64-key tiles, 2 stages (74 KB: one beside the wide CTA, 3 on a free SM),
-    items from a counter. Taken only where the wide units leave a quarter of the SMs or more
-    to the tails (`TritonKernels.plan_extra`; the SMs from `grids.wide_sms`, its tiles counted
-    as two of the model's 16 KB ones): there the Hydragen grid's steps took 1-7% less time on
-    an H200 (b1024 x 2K shared keys with 128-key tails: 2% more); with the products on every
-    SM, up to 10% more (issue 25 part twenty-eight).
+    items from a counter. Taken where the wide units leave a quarter of the SMs or more to the
+    tails (`TritonKernels.plan_extra`; the SMs from `grids.wide_sms`, its tiles counted as two
+    of the model's 16 KB ones): there the Hydragen grid's steps took 1-7% less time on an H200
+    (b1024 x 2K shared keys with 128-key tails: 2% more; issue 25 part twenty-eight); and where
+    they fill one wave of every SM while a wide item walks fewer than WALK_OVER_TAILS x a tail's
+    entries: b256 rows 1-9% less time, two waves (b1024) or 85x up to 5% more (part twenty-nine).
     fp8 wide tiles of <= 64 rows (Triton's, off sm_90: there the Gluon kernel widens them):
     5 stages, so that the pipeliner double-buffers the K/V tiles (below 5 it gives them one
     buffer: their addresses come from loads); on an H200 Table 3's fp8 rows took 2-15% less

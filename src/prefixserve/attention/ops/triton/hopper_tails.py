@@ -31,9 +31,10 @@ thread, 74 KB of shared memory) fits beside the Gluon wide CTA, 3 on a free SM.
 Measured on an H200 against the Triton narrow launch (relay's step; kernels-notes.md, issue 25
 part twenty-eight): where the wide units leave a quarter of the SMs or more to the tails, the
 Hydragen grid's steps with 512-key tails 1-7% shorter, with 128-key tails -1%..+2%; where the
-products hold every SM, up to 10% longer (beside one CTA an SM it streams no more than the Triton
-kernel's two, and the chunk pairs' CTA leaves it no room): `configs.choose_configs`,
-`TritonKernels.plan_extra`.
+products hold every SM in two waves, up to 10% longer (beside one CTA an SM it streams no more
+than the Triton kernel's two, and the chunk pairs' CTA leaves it no room); beside one wave of
+them on every SM, 1-9% shorter while a wide item walks fewer than 64x a tail's entries (part
+twenty-nine): `configs.choose_configs`, `TritonKernels.plan_extra`.
 
 Gluon does not run in Triton's interpreter: tested on the GPU against the twin
 (tests/attention/test_hopper_tails.py); CI tests the twin and the Triton kernel.

@@ -27,7 +27,7 @@ import torch
 
 from ...base import AttentionBatch, AttentionShape
 from ...plan import DeviceExtras, DevicePlan, HostArrays, HostExtras, required
-from .configs import NARROW_ROWS, KernelConfig, choose_configs, wide_pairs
+from .configs import NARROW_ROWS, WALK_OVER_TAILS, KernelConfig, choose_configs, wide_pairs
 from .launch import Launch, grid_size, hopper_module, launch_worklist, num_sms
 from .merge import UNROLL, merge_rows, unroll_for
 from .store import store_kv
@@ -109,12 +109,14 @@ class TritonKernels:
 
         wl = work_list(configs)
         assert not (padded and any(wl.causal)), "a padded (graph) step must be a decode step"
+        entries, is_wide = np.diff(required(arrays, "item_kv_indptr")), q_len * self.group > NARROW_ROWS
+        shared, own = (float(entries[m].mean()) if m.any() else 0.0 for m in (is_wide, ~is_wide))
         if configs[0].after_wide and wl.wide_sms < self.sms:  # the walk beside the wide units after all
             configs = (dataclasses.replace(configs[0], after_wide=False, merge_beside=True), configs[1])
-        elif tails and not self.configs and self._tails_flips(configs[0].tails, len(wl.wide), wl.wide_sms, configs[1]):
-            # the swapped walk only where the wide units leave a quarter of the SMs or more to
-            # the tails: beside the products it streams no faster than the Triton kernel's 2
-            # programs there (either shape's work list gives the wide units the same SMs)
+        elif tails and not self.configs and self._tails_flips(configs[0].tails, len(wl.wide), wl.wide_sms, configs[1],
+                                                              shared, own):
+            # the swapped walk only where it streams the tails faster than the Triton kernel's
+            # programs (either shape's work list gives the wide units the same SMs)
             configs = (choose_configs(rows_hint, s.head_dim, s.dtype.itemsize, gluon, tails=self._tails)[0],
                        configs[1])
             wl = work_list(configs)
@@ -128,8 +130,6 @@ class TritonKernels:
         stores = (wl.stores, bool(wl.stores and (wl.narrow[:, 5] != -1).any()),
                   bool(wl.stores and (wl.wide[:, 5] != -1).any()))  # (any, narrow, wide)
         if gluon and not self.configs:  # the wide launch over chunk pairs where the products bound the step
-            entries, is_wide = np.diff(required(arrays, "item_kv_indptr")), q_len * self.group > NARROW_ROWS
-            shared, own = (float(entries[m].mean()) if m.any() else 0.0 for m in (is_wide, ~is_wide))
             if (not configs[0].tails  # (the swapped walk's CTA beside the pairs' does not fit an SM)
                     and wide_pairs(configs[1], batch.chunk_size, fp8, stores[2], wl.wide_sms == self.sms, shared, own)):
                 configs = (configs[0], dataclasses.replace(configs[1], pairs=True))
@@ -192,11 +192,19 @@ class TritonKernels:
                        pdl=beside, unroll=_int(x, "merge_unroll"))
         return out
 
-    def _tails_flips(self, taken: bool, wide_units: int, wide_sms: int, wide: KernelConfig) -> bool:
+    def _tails_flips(self, taken: bool, wide_units: int, wide_sms: int, wide: KernelConfig, shared: float,
+                     own: float) -> bool:
         """Whether the narrow units' shape must flip to (or from) the swapped walk's: it runs
         where the wide units (`wide_units` x KV heads over `wide_sms` SMs) leave a quarter of
-        the SMs or more. Remembers the choice for the next plan's first try."""
-        self._tails = 4 * grid_size(wide_units, self.shape.num_kv_heads, wide, wide_sms, fixed=False) <= 3 * self.sms
+        the SMs or more, or fill one wave of them at most while a wide item walks fewer than
+        WALK_OVER_TAILS x a tail's entries (`shared`, `own`: the means). On an H200 beside
+        the products on every SM the walk took 5-9% less time than the chunk pairs or the
+        Triton kernel there (b256, G 4, 2-8K shared keys, 128-256-key tails), 0-5% more beside
+        two waves (b1024) or at 85x (kernels-notes.md, issue 25 part twenty-nine). Remembers
+        the choice for the next plan's first try."""
+        heads = self.shape.num_kv_heads
+        self._tails = (4 * grid_size(wide_units, heads, wide, wide_sms, fixed=False) <= 3 * self.sms
+                       or (wide_units * heads <= self.sms and shared < WALK_OVER_TAILS * own))
         return self._tails != taken
 
     @staticmethod
