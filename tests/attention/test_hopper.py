@@ -294,18 +294,19 @@ def test_decode_step_with_gluon_wide_units(dtype, batch, kv_heads, block_m):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph-grid"])
 def test_decode_step_over_chunk_pairs(dtype, padded):
-    """A decode step whose shared items walk 128x a tail's entries and hold every SM (256
-    sequences x G 4 under 8,192 shared keys, 128-key tails): relay's and hydragen's plans take
-    the Gluon wide kernel over 128-key tiles of two chunks (`hopper_pairs`), eagerly and in a
-    graph's plan (padded rows); they agree with paged (Triton's narrow units only), padding rows
-    are zeros, and a second run gives the same output."""
+    """A decode step whose shared items walk 85x a tail's entries and hold every SM in one wave
+    (256 sequences x G 4 under 16,384 shared keys, 128-key tails: 256 entries to 3, over
+    WALK_OVER_TAILS, so no swapped walk): relay's and hydragen's plans take the Gluon wide kernel
+    over 128-key tiles of two chunks (`hopper_pairs`), eagerly and in a graph's plan (padded
+    rows); they agree with paged (Triton's narrow units only), padding rows are zeros, and a
+    second run gives the same output."""
     from prefixserve.attention.backends.hydragen import HydragenBackend
     from prefixserve.attention.backends.paged import PagedBackend
     from prefixserve.attention.backends.relay import RelayBackend
     from prefixserve.bench.kernels.rows import Workload, build
 
     name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
-    row = build(Workload("test", 256, 32, 8, 128, 8320, (8192,), 64, name), DEVICE)
+    row = build(Workload("test", 256, 32, 8, 128, 16512, (16384,), 64, name), DEVICE)
     batch, q, k, v, k_cache, v_cache = with_padding(row, 5 if padded else 0)
     outs = {}
     for cls in (PagedBackend, RelayBackend, HydragenBackend):
