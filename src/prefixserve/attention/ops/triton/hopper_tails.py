@@ -183,7 +183,7 @@ def _tails_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, 
                   k_new, v_new, slots, queue, stride_qt, stride_ot, stride_lt, stride_kt, stride_vt,
                   scale_log2, chunk_size, HKV: gl.constexpr, G: gl.constexpr, HEAD_DIM: gl.constexpr,
                   TPE: gl.constexpr, STAGES: gl.constexpr, WRITE_LSE: gl.constexpr, STORE: gl.constexpr,
-                  DYNAMIC: gl.constexpr):
+                  DYNAMIC: gl.constexpr, PDL: gl.constexpr):
     dtype: gl.constexpr = k_desc.dtype
     s_layout: gl.constexpr = _mma_layout(ROWS)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -271,16 +271,19 @@ def _tails_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, 
         if gl.atomic_add(queue + 1, 1, sem="acq_rel") == gl.num_programs(0) - 1:
             gl.store(queue, 0)
             gl.store(queue + 1, 0)
+    if PDL:  # started beside the wide launch: ends after it, so the next kernel sees both
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units: torch.Tensor,
            count: torch.Tensor, kv_chunk: torch.Tensor, kv_lo: torch.Tensor, kv_hi: torch.Tensor,
            scale: float, o: torch.Tensor, lse: torch.Tensor | None, programs: int, stages: int, maxnreg: int,
            new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-           queue: torch.Tensor | None = None) -> None:
+           queue: torch.Tensor | None = None, pdl: bool = False) -> None:
     """`launch.launch_units` for a narrow launch that `applies`: the first count[0] units on a
     persistent grid of `programs` one-warpgroup CTAs, 64-key tiles in a `stages`-deep ring, at
-    most `maxnreg` registers a thread; o, lse: partial rows."""
+    most `maxnreg` registers a thread; o, lse: partial rows. pdl: started beside the wide
+    launch by PDL (`launch.pdl_beside`)."""
     n_chunks, chunk_size, hkv, d = k_cache.shape
     gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[k_cache.dtype]
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N.value, d], gdt)
@@ -294,5 +297,5 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
         k_new, v_new, slots, units if queue is None else queue, q.stride(0), o.stride(0),
         0 if lse is None else lse.stride(0), k_new.stride(0), v_new.stride(0), scale * 1.4426950408889634,
         chunk_size, HKV=hkv, G=q.shape[1] // hkv, HEAD_DIM=d, TPE=chunk_size // BLOCK_N.value, STAGES=stages,
-        WRITE_LSE=lse is not None, STORE=new_kv is not None, DYNAMIC=queue is not None, num_warps=4,
-        maxnreg=maxnreg)
+        WRITE_LSE=lse is not None, STORE=new_kv is not None, DYNAMIC=queue is not None, PDL=pdl, num_warps=4,
+        maxnreg=maxnreg, **({"launch_pdl": True} if pdl else {}))

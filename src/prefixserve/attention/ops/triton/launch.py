@@ -6,9 +6,10 @@
                     (sm_90, the Triton they are tested on: `hopper_module`), else the Triton
                     kernel (`attend`), its persistent grid trimmed to the programs the GPU holds
                     at once (`resident_programs`)
-    launch_worklist a plan's two launches (narrow, wide): the wide one forked on a side stream
-                    beside the narrow one, or followed by it where the narrow units merge
-                    (`Merge`) or run after it
+    launch_worklist a plan's two launches (narrow, wide): the narrow one started beside the
+                    Gluon wide one by PDL (or, beside a Triton wide launch, with the wide one
+                    forked on a side stream), or after it where its units merge (`Merge`, PDL
+                    too) or where it runs after it
     attend_items    twin of `ops.reference.attend_items` on these: the work list built on the
                     host, both launches, then the merge launch (`merge.merge_rows`)
 
@@ -76,7 +77,7 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  lse: torch.Tensor | None, cfg: KernelConfig, causal: bool, programs: int,
                  new_kv: NewKV | None = None, window: int | None = None,
                  kv_scale: torch.Tensor | None = None, queue: torch.Tensor | None = None,
-                 merge: Merge | None = None, trigger: bool = False) -> None:
+                 merge: Merge | None = None, trigger: bool = False, beside: bool = False) -> None:
     """Run the first count[0] units of `units` ([>= count, 6] int32, see worklist; count: [2]
     int32 on the device, so a CUDA graph replays any number) on a persistent grid of
     `programs` programs (in the Gluon wide kernel, count[1] of them: `hopper._items`),
@@ -87,7 +88,9 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     by position, both bounds); None: none. kv_scale: [4, Hkv] fp32, given iff the cache is fp8.
     queue: [2] int32 on the device, zero (and zero again after the launch), given iff
     cfg.dynamic. merge: the units merge their rows (o, lse are then the final rows: see MERGE);
-    trigger: a merging launch follows this one (PDL)."""
+    trigger: a launch follows this one beside it (PDL); beside: this launch is that one (its
+    programs end only after the triggering launch has, so the next kernel sees both; a
+    merging launch says so in `merge.pdl`)."""
     t, hq, d = q.shape
     n_chunks, chunk_size, hkv, d_cache = k_cache.shape
     assert d_cache == d and hq % hkv == 0 and v_cache.shape == k_cache.shape
@@ -130,7 +133,7 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             q.stride(0), q.stride(1), o.stride(0), o.stride(1), 0 if lse is None else lse.stride(0),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), *part_strides, scale * _LOG2E,
             chunk_size, window or 0)
-    pdl = merge is not None and merge.pdl and cuda
+    pdl = (merge.pdl if merge is not None else beside) and cuda
     meta: dict[str, int | bool | str] = dict(
         HKV=hkv, G=g, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, C_PAD=next_pow2(chunk_size), CAUSAL=causal, SLIDING=window is not None,
@@ -150,16 +153,15 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         tails = hopper_module("hopper_tails") if cfg.tails else None
         if tails and tails.applies(q, k_cache, cfg.block_n, causal, window):
             tails.launch(q, k_cache, v_cache, units, count, kv_chunk, kv_lo, kv_hi, scale, o, lse, programs,
-                         cfg.num_stages, cfg.maxnreg, new_kv, queue)
+                         cfg.num_stages, cfg.maxnreg, new_kv, queue, pdl)
             return
         walk = hopper_module("hopper_rows") if cfg.walk else None
         if walk and walk.applies(q, k_cache, cfg.block_n, causal, window):
             walk.launch(q, k_cache, v_cache, units, count, kv_chunk, kv_lo, kv_hi, scale, o, lse, programs,
                         cfg.block_n, cfg.num_stages, cfg.maxnreg, new_kv, kv_scale, queue, merge)
             return
-        hopper = hopper_module() if cfg.hopper else None
-        if hopper and hopper.applies(q, k_cache, cfg.block_m, causal, window, slots is not None):
-            gluon = hopper_module("hopper_pairs") if cfg.pairs else hopper
+        if runs_gluon(q, k_cache, cfg, causal, window, slots is not None):
+            gluon = hopper_module("hopper_pairs") if cfg.pairs else hopper_module()
             assert gluon is not None  # (the same Triton as `hopper`)
             gluon.launch(q, k_cache, v_cache, units, count, kv_chunk, kv_lo, kv_hi, scale, o, lse,
                          min(programs, num_sms(q.device)), cfg.block_m, cfg.maxnreg, trigger, new_kv,
@@ -167,6 +169,14 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             return
         programs = min(programs, resident_programs(args, meta, q.device))
     _attend_kernel[(programs,)](*args, **meta)
+
+
+def runs_gluon(q: torch.Tensor, k_cache: torch.Tensor, cfg: KernelConfig, causal: bool, window: int | None,
+               stores: bool) -> bool:
+    """Whether `launch_units` runs this wide launch in Gluon (`hopper`, `hopper_pairs`): one
+    CTA an SM, every CTA resident at once."""
+    hopper = hopper_module() if cfg.hopper and q.is_cuda else None
+    return bool(hopper and hopper.applies(q, k_cache, cfg.block_m, causal, window, stores))
 
 
 _RESIDENT: dict[tuple[object, ...], int] = {}
@@ -225,10 +235,12 @@ def launch_worklist(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     new_kv: NewKV | None = None, window: int | None = None,
                     kv_scale: torch.Tensor | None = None,
                     final: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> bool:
-    """Both unit classes' launches (narrow, wide), writing o, lse. With a side stream (CUDA)
-    the wide launch runs on it, concurrently with the narrow one (unless the narrow config says
-    `after_wide`: then one after the other on the current stream); the current stream waits for
-    it before returning (graph capture records the fork and join). new_kv: as launch_units',
+    """Both unit classes' launches (narrow, wide), writing o, lse. Beside a Gluon wide launch
+    the narrow one follows it on the current stream, started by PDL as the wide one starts
+    (`pdl_beside`); beside a Triton wide launch, with a side stream (CUDA), the wide launch
+    runs on it, concurrently with the narrow one, and the current stream waits for it before
+    returning (graph capture records the fork and join); where the narrow config says
+    `after_wide`, one after the other on the current stream. new_kv: as launch_units',
     for the launches that store; window: a sliding layer's; kv_scale: an fp8 cache's. final:
     (o, lse or None) of the final rows, which a merging narrow launch (`Launch.merge`) writes
     -- after the wide one on the same stream, started beside it by PDL (unless `after_wide`:
@@ -238,10 +250,10 @@ def launch_worklist(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     idx = (kv_chunk, kv_lo, kv_hi, kv_pos)
 
     def go(x: Launch, out: tuple[torch.Tensor, torch.Tensor | None] = (o, lse),
-           merge: Merge | None = None, trigger: bool = False) -> None:
+           merge: Merge | None = None, trigger: bool = False, beside: bool = False) -> None:
         launch_units(q, k_cache, v_cache, q_pos, x.units, x.count, *idx, scale, *out, x.cfg,
                      x.causal, x.programs, new_kv if x.stores else None, window, kv_scale, x.queue,
-                     merge, trigger)
+                     merge, trigger, beside)
 
     narrow, wide = launches
     if not narrow.programs:
@@ -253,8 +265,12 @@ def launch_worklist(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         go(wide, trigger=pdl)
         go(narrow, final, Merge(*narrow.merge, o, lse, pdl))
         return False
-    # a side stream, if both run and the narrow launch goes beside the wide one
-    fork = side if narrow.programs and wide.programs and not narrow.cfg.after_wide else None
+    both = bool(wide.programs) and not narrow.cfg.after_wide  # the narrow launch beside the wide one
+    if both and pdl_beside(q, k_cache, launches, window, new_kv is not None):
+        go(wide, trigger=True)
+        go(narrow, beside=True)
+        return False
+    fork = side if both else None  # a side stream
     if fork is not None:
         fork.wait_stream(torch.cuda.current_stream(q.device))
         with torch.cuda.stream(fork):
@@ -265,6 +281,23 @@ def launch_worklist(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if fork is not None:
         torch.cuda.current_stream(q.device).wait_stream(fork)
     return False
+
+
+def pdl_beside(q: torch.Tensor, k_cache: torch.Tensor, launches: tuple[Launch, Launch], window: int | None,
+               stores: bool) -> bool:
+    """Whether the narrow launch (the Triton kernel or the swapped walk; the row walk merges,
+    `Merge.pdl`) starts beside the wide one by PDL rather than on a second stream: where the
+    wide one runs in Gluon, whose CTAs are all resident and trigger as they start, so that
+    they hold their SMs first and the narrow programs fill the room beside them. On two
+    streams a graph's branches start in either order: on an H200 the narrow launch started
+    first in 3 of 8 captured steps, held the SMs, and the products waited for it (b1024 x 16K
+    shared keys, 512-key tails: 1,267 us, by PDL 878; b256 x 2K, 128-key tails: 84, by PDL 60).
+    Against the fork's captures of the same run, the Hydragen grid's steps by PDL took up to
+    9% less time on 8 rows and 1-6% more on 4 (512-key tails under 8-16K shared keys: there the
+    walk beside the products ends later; kernels-notes.md, issue 25 part twenty-nine)."""
+    narrow, wide = launches
+    return (q.is_cuda and not narrow.cfg.walk
+            and runs_gluon(q, k_cache, wide.cfg, wide.causal, window, stores and wide.stores))
 
 
 def num_sms(device: torch.device) -> int:
