@@ -11,10 +11,11 @@ against a contiguous split of that item's kv entries:
 Items come in two classes, each its own launch with its own tile shape: narrow items
 (q_len * G <= NARROW_ROWS: the decode tails, a stream of K/V tiles against a few rows) and
 wide ones (shared items: many sequences' rows, where the products dominate). The two launches
-go on two streams; they share an SM only where its registers (per sub-partition) and shared
-memory hold programs of both, so measured on an H200 they overlapped only at the first one's
-tail -- until the Gluon wide kernel left room for the narrow shape `choose_configs` fits beside
-it (kernels-notes.md, issue 25 part six).
+run beside each other (`launch.launch_worklist`: by PDL beside a Gluon wide launch, else on two
+streams); they share an SM only where its registers (per sub-partition) and shared memory hold
+programs of both, so measured on an H200 they overlapped only at the first one's tail -- until
+the Gluon wide kernel left room for the narrow shape `choose_configs` fits beside it
+(kernels-notes.md, issue 25 part six).
 
 Load balance (split-K, as FlashDecoding / FlashInfer's scheduler do) and the SMs each launch
 takes: `grids`.
