@@ -288,15 +288,18 @@ def pdl_beside(q: torch.Tensor, k_cache: torch.Tensor, launches: tuple[Launch, L
     """Whether the narrow launch (the Triton kernel or the swapped walk; the row walk merges,
     `Merge.pdl`) starts beside the wide one by PDL rather than on a second stream: where the
     wide one runs in Gluon, whose CTAs are all resident and trigger as they start, so that
-    they hold their SMs first and the narrow programs fill the room beside them. On two
-    streams a graph's branches start in either order: on an H200 the narrow launch started
-    first in 3 of 8 captured steps, held the SMs, and the products waited for it (b1024 x 16K
-    shared keys, 512-key tails: 1,267 us, by PDL 878; b256 x 2K, 128-key tails: 84, by PDL 60).
+    they hold their SMs first and the narrow programs fill the room beside them; and where the
+    narrow programs take units from a counter (`dynamic`), so that the resident ones take them
+    all while each waits at its end for the wide launch (a strided launch's programs that are
+    not resident yet would start only after it). On two streams a graph's branches start in
+    either order: on an H200 the narrow launch started first in 3 of 8 captured steps, held
+    the SMs, and the products waited for it (b1024 x 16K shared keys, 512-key tails: 1,267 us,
+    by PDL 878; b256 x 2K, 128-key tails: 84, by PDL 60).
     Against the fork's captures of the same run, the Hydragen grid's steps by PDL took up to
     9% less time on 8 rows and 1-6% more on 4 (512-key tails under 8-16K shared keys: there the
     walk beside the products ends later; kernels-notes.md, issue 25 part twenty-nine)."""
     narrow, wide = launches
-    return (q.is_cuda and not narrow.cfg.walk
+    return (q.is_cuda and narrow.cfg.dynamic and not narrow.cfg.walk
             and runs_gluon(q, k_cache, wide.cfg, wide.causal, window, stores and wide.stores))
 
 
