@@ -7,9 +7,9 @@
                     kernel (`attend`), its persistent grid trimmed to the programs the GPU holds
                     at once (`resident_programs`)
     launch_worklist a plan's two launches (narrow, wide): the narrow one started beside the
-                    Gluon wide one by PDL (or, beside a Triton wide launch, with the wide one
-                    forked on a side stream), or after it where its units merge (`Merge`, PDL
-                    too) or where it runs after it
+                    Gluon wide one by PDL (`pdl_beside`; elsewhere with the wide one forked on
+                    a side stream), or after it where its units merge (`Merge`, PDL too) or
+                    where it runs after it
     attend_items    twin of `ops.reference.attend_items` on these: the work list built on the
                     host, both launches, then the merge launch (`merge.merge_rows`)
 
@@ -237,8 +237,8 @@ def launch_worklist(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     final: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> bool:
     """Both unit classes' launches (narrow, wide), writing o, lse. Beside a Gluon wide launch
     the narrow one follows it on the current stream, started by PDL as the wide one starts
-    (`pdl_beside`); beside a Triton wide launch, with a side stream (CUDA), the wide launch
-    runs on it, concurrently with the narrow one, and the current stream waits for it before
+    (where `pdl_beside` says so); elsewhere, with a side stream (CUDA), the wide launch runs
+    on it, concurrently with the narrow one, and the current stream waits for it before
     returning (graph capture records the fork and join); where the narrow config says
     `after_wide`, one after the other on the current stream. new_kv: as launch_units',
     for the launches that store; window: a sliding layer's; kv_scale: an fp8 cache's. final:
