@@ -5,8 +5,8 @@ kernel (narrow and wide units with their device counts, split-K merge CSR, which
 a position mask; see `worklist`), uploaded lazily like the plan's own arrays.
 run time (per layer): store_kv, unless the attend units write the new keys themselves (a
 decode step: `worklist.mark_stores`); the narrow and wide attend launches (persistent grids;
-the narrow one started beside a Gluon wide one by PDL, beside a Triton one on a second stream:
-`launch.launch_worklist`); one merge launch when the schedule merges or an item was split -- which
+the narrow one beside the wide one, by PDL where `launch.pdl_beside` says so, else on a second
+stream); one merge launch when the schedule merges or an item was split -- which
 writes the output in q's dtype directly -- unless the narrow units merge their rows
 (`worklist`'s `fused`: then the narrow launch follows the wide one on one stream, started
 beside it by programmatic dependent launch, and writes the output).
