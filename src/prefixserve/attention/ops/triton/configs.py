@@ -113,7 +113,7 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     of the model's 16 KB ones): there the Hydragen grid's steps took 1-7% less time on an H200
     (b1024 x 2K shared keys with 128-key tails: 2% more; issue 25 part twenty-eight); and where
     they fill one wave of every SM while a wide item walks fewer than WALK_OVER_TAILS x a tail's
-    entries: b256 rows 1-9% less time, two waves (b1024) or 85x up to 5% more (part twenty-nine).
+    entries: b256 rows 1-9% less time, two waves (b1024) or 85x up to 6% more (part twenty-nine).
     fp8 wide tiles of <= 64 rows (Triton's, off sm_90: there the Gluon kernel widens them):
     5 stages, so that the pipeliner double-buffers the K/V tiles (below 5 it gives them one
     buffer: their addresses come from loads); on an H200 Table 3's fp8 rows took 2-15% less

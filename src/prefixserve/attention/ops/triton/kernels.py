@@ -110,8 +110,8 @@ class TritonKernels:
 
         wl = work_list(configs)
         assert not (padded and any(wl.causal)), "a padded (graph) step must be a decode step"
-        entries, is_wide = np.diff(required(arrays, "item_kv_indptr")), q_len * self.group > NARROW_ROWS
-        shared, own = (float(entries[m].mean()) if m.any() else 0.0 for m in (is_wide, ~is_wide))
+        shared, own = (_mean_entries(required(arrays, "item_kv_indptr"), q_len * self.group > NARROW_ROWS)
+                       if (gluon or tails) and not self.configs else (0.0, 0.0))  # (read by the choices below)
         if configs[0].after_wide and wl.wide_sms < self.sms:  # the walk beside the wide units after all
             configs = (dataclasses.replace(configs[0], after_wide=False, merge_beside=True), configs[1])
         elif tails and not self.configs and self._tails_flips(configs[0].tails, len(wl.wide), wl.wide_sms, configs[1],
@@ -199,9 +199,9 @@ class TritonKernels:
         where the wide units (`wide_units` x KV heads over `wide_sms` SMs) leave a quarter of
         the SMs or more, or fill one wave of them at most while a wide item walks fewer than
         WALK_OVER_TAILS x a tail's entries (`shared`, `own`: the means). On an H200 beside
-        the products on every SM the walk took 5-9% less time than the chunk pairs or the
-        Triton kernel there (b256, G 4, 2-8K shared keys, 128-256-key tails), 0-5% more beside
-        two waves (b1024) or at 85x (kernels-notes.md, issue 25 part twenty-nine). Remembers
+        the products on every SM the walk took 1-9% less time than the chunk pairs or the
+        Triton kernel there (b256, G 4, 2-16K shared keys, 64-256-key tails), up to 6% more
+        beside two waves (b1024) or at 85x (kernels-notes.md, issue 25 part twenty-nine). Remembers
         the choice for the next plan's first try."""
         heads = self.shape.num_kv_heads
         self._tails = (4 * grid_size(wide_units, heads, wide, wide_sms, fixed=False) <= 3 * self.sms
@@ -261,6 +261,13 @@ def _gluon_narrow(shape: AttentionShape, name: str) -> bool:
     module = hopper_module(name)
     return module is not None and module.supports(shape.device, shape.dtype, shape.kv_dtype or shape.dtype,
                                                   shape.num_heads // shape.num_kv_heads, shape.head_dim)
+
+
+def _mean_entries(item_kv_indptr: np.ndarray, is_wide: np.ndarray) -> tuple[float, float]:
+    """The mean entries of a wide item and of a narrow one (0 where there is none)."""
+    entries = np.diff(item_kv_indptr)
+    shared, own = (float(entries[m].mean()) if m.any() else 0.0 for m in (is_wide, ~is_wide))
+    return shared, own
 
 
 def _int(x: DeviceExtras, name: str) -> int:
