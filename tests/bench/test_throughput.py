@@ -80,6 +80,25 @@ def test_shared_prefixes_computed_once(workload, flags, unique_prompt):
         assert auto["identical_outputs"] is True
 
 
+def test_warmup_runs_the_whole_workload_shifted():
+    """Row counts and tail lengths pick kernels (1,024 samples of a 16K prompt take the
+    chunk-pair products, and 64-key tiles again past ~115 keys of their own): the warm-up runs
+    every request with all its samples and tokens, on ids that share no prefix with the real
+    prompts, so that the first config compiles nothing while timed."""
+    from prefixserve import LLM
+    wl = W.hierarchical(W.token_source({}), 16, 3, 4, 5, 2)  # 3 prompts x 5 samples, 2 tokens
+    llm = LLM(kv_cache_memory=64 << 20)
+    seen, generate = [], llm.generate
+    llm.generate = lambda prompts, params, **kw: seen.append((prompts, params)) or generate(prompts, params, **kw)
+    try:
+        T._warmup(llm, wl)
+    finally:
+        llm.close()
+    ((prompts, params),) = seen
+    assert params == wl.params and [len(p) for p in prompts] == [len(p) for p in wl.prompts]
+    assert all(a[0] != b[0] for a, b in zip(prompts, wl.prompts, strict=True))
+
+
 def test_command_reproduces_the_arguments():
     argv = ["bench", "throughput", "--workload", "multi-sample", "--batch", "8,16", "--no-warmup",
             "--no-enable-prefix-caching", "--chunk-size", "32"]
