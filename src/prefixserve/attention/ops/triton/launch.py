@@ -297,7 +297,10 @@ def pdl_beside(q: torch.Tensor, k_cache: torch.Tensor, launches: tuple[Launch, L
     by PDL 878; b256 x 2K, 128-key tails: 84, by PDL 60).
     Against the fork's captures of the same run, the Hydragen grid's steps by PDL took up to
     9% less time on 8 rows and 1-6% more on 4 (512-key tails under 8-16K shared keys: there the
-    walk beside the products ends later; kernels-notes.md, issue 25 part twenty-nine)."""
+    walk beside the products ends later; 7-13% between grid runs 30 and 31), where forked the
+    order is chance (above). The likely reason, not yet measured (kernels-notes.md, issue 25
+    part thirty): the swapped walk takes its first items by stride, not from its counter, so
+    its CTAs that wait for room beside the products hold one each until the products end."""
     narrow, wide = launches
     return (q.is_cuda and narrow.cfg.dynamic and not narrow.cfg.walk
             and runs_gluon(q, k_cache, wide.cfg, wide.causal, window, stores and wide.stores))
