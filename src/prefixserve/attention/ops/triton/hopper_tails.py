@@ -8,12 +8,12 @@ Triton kernel walks it one 16-row tile at a time with one K/V tile in flight (it
 chain keeps Triton's pipeliner from buffering the next), so where the tails' bytes outlast
 the shared products its programs stream ~47 GB/s an SM, where an SM can pull ~100 (issue 25
 part twenty-eight). Here a CTA is one warpgroup walking work items (item w: unit w // Hkv,
-KV head w % Hkv; first p, then, DYNAMIC, the next of a device counter, as `hopper_rows`)
+KV head w % Hkv; p, p + P, ... or, DYNAMIC, each the next of a device counter: `_take`)
 with the products swapped, so that the keys, not the rows, are wgmma's 64-row M side:
 
     a TMA ring   STAGES tiles [BLOCK_N = 64, D] of K and of V (`ready`: one mbarrier a
                  stage), issued up to STAGES - 1 tiles ahead of the walk across items
-                 (`hopper_rows._issue`, `_next_item`)
+                 (`hopper_rows._issue`, `_next`)
     S^T = K Q^T  [64 keys, 16 rows] fp32: A the K tile, B the unit's Q [16, D] staged in
                  shared memory (rows past q_len x G zero)
     softmax      online, in base 2, over the keys: down S^T's columns (a column is a row)
@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .hopper_products import _IO_LAYOUT, _bounds, _mma_layout
-from .hopper_rows import _issue, _item, _next_item
+from .hopper_rows import _issue, _item
 
 ROWS = gl.constexpr(16)  # query rows a unit (q_len x G <= NARROW_ROWS): S^T's N side
 BLOCK_N = gl.constexpr(64)  # keys a tile: S^T's M side (wgmma's 64)
@@ -96,14 +96,31 @@ def _fetch_q(q, q_smem, units, w, num_work, stride_qt, HKV: gl.constexpr, G: gl.
 
 
 @gluon.jit
+def _take(queue, pid, taken, DYNAMIC: gl.constexpr):
+    """Work item number `taken` (from 0) of CTA p: p + taken * P, or DYNAMIC the next of
+    queue[0] -- the first one too (unlike `hopper_rows._next_item`), so that a CTA still
+    waiting for room beside the products holds none: started by PDL, the resident CTAs wait at
+    their end for the wide launch, and a first item held by one not yet resident would start
+    only after the products, exposing its whole walk. On an H200 (kernels-notes.md, issue 25
+    part thirty-one) relay's step on the Hydragen rows of 512-key tails under 8-16K shared keys
+    took 1-8% less than by stride first; the row walk keeps stride first (its 16 KB CTAs are
+    all resident: the same change there was 1-2% slower on Table 3's fp8 rows)."""
+    w = pid + taken * gl.num_programs(0)
+    if DYNAMIC:
+        w = gl.atomic_add(queue, 1, sem="relaxed")
+    return w
+
+
+@gluon.jit
 def _next(q, q_bufs, queue, units, pid, taken, num_work, stride_qt, HKV: gl.constexpr, G: gl.constexpr,
           HEAD_DIM: gl.constexpr, TPE: gl.constexpr, DYNAMIC: gl.constexpr):
-    """The producer's next item (`hopper_rows._next_item`: (w, taken + 1, e0, tiles)), its
-    query rows fetched into the Q slot after the consumer's (the producer is at most one
-    item ahead of the walk: it moves on only from the walk's item)."""
-    w, taken, e0, n, _ = _next_item(queue, units, pid, taken, num_work, HKV, TPE, DYNAMIC)
-    _fetch_q(q, q_bufs.index(taken % 2), units, w, num_work, stride_qt, HKV, G, HEAD_DIM)
-    return w, taken, e0, n
+    """The producer's next item after `taken` ones -- (w, taken + 1, its first entry, its
+    tiles) -- its query rows fetched into the Q slot after the consumer's (the producer is at
+    most one item ahead of the walk: it moves on only from the walk's item)."""
+    w = _take(queue, pid, taken, DYNAMIC)
+    e0, n, _ = _item(units, w, num_work, HKV, TPE)
+    _fetch_q(q, q_bufs.index((taken + 1) % 2), units, w, num_work, stride_qt, HKV, G, HEAD_DIM)
+    return w, taken + 1, e0, n
 
 
 @gluon.jit
@@ -199,7 +216,7 @@ def _tails_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, 
     num_work = gl.load(unit_count) * HKV
     pid = gl.program_id(0)
     taken = 1
-    w = pid  # the walk's item; the producer's, pw: w or the one after it
+    w = _take(queue, pid, 0, DYNAMIC)  # the walk's item; the producer's, pw: w or the one after it
     pw = w
     p_e0, p_n, _ = _item(units, pw, num_work, HKV, TPE)
     _fetch_q(q, q_bufs.index(1), units, pw, num_work, stride_qt, HKV, G, HEAD_DIM)  # Q slot: taken % 2

@@ -296,11 +296,12 @@ def pdl_beside(q: torch.Tensor, k_cache: torch.Tensor, launches: tuple[Launch, L
     the SMs, and the products waited for it (b1024 x 16K shared keys, 512-key tails: 1,267 us,
     by PDL 878; b256 x 2K, 128-key tails: 84, by PDL 60).
     Against the fork's captures of the same run, the Hydragen grid's steps by PDL took up to
-    9% less time on 8 rows and 1-6% more on 4 (512-key tails under 8-16K shared keys: there the
-    walk beside the products ends later; 7-13% between grid runs 30 and 31), where forked the
-    order is chance (above). The likely reason, not yet measured (kernels-notes.md, issue 25
-    part thirty): the swapped walk takes its first items by stride, not from its counter, so
-    its CTAs that wait for room beside the products hold one each until the products end."""
+    9% less time on 8 rows and 1-6% more on 4 (512-key tails under 8-16K shared keys), where
+    forked the order is chance (above): the swapped walk took its first items by stride, so
+    its CTAs still waiting for room beside the products held one each until the products
+    ended. With every item from the counter (`hopper_tails._take`) those four steps took 1-8%
+    less by PDL than before, 0.4-1.8% less than forked on three of them and 3.9% more on b1024
+    x 16K (kernels-notes.md, issue 25 part thirty-one)."""
     narrow, wide = launches
     return (q.is_cuda and narrow.cfg.dynamic and not narrow.cfg.walk
             and runs_gluon(q, k_cache, wide.cfg, wide.causal, window, stores and wide.stores))
