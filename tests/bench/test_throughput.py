@@ -99,6 +99,26 @@ def test_warmup_runs_the_whole_workload_shifted():
     assert all(a[0] != b[0] for a, b in zip(prompts, wl.prompts, strict=True))
 
 
+def test_a_host_bound_ceiling_is_flagged_and_gpu_steps_compared(caplog):
+    """Where the host bounds the no-attention ceiling's steps its tokens/s understate the GPU's,
+    so `vs_no_attention` reads high: the run says so, and `device_vs_no_attention` compares the
+    median GPU steps (the step profiles of one H200 run of 1,024 x 16K, Llama-2-7B dims)."""
+    def entry(config, tok_s, device_ms, host_busy_ms):
+        return {"config": config, "output_tokens_per_s": tok_s, "output_tokens_per_cpu_s": tok_s,
+                "decode_tokens_per_s": tok_s, "decode_profile": {"device_ms": device_ms, "host_busy_ms": host_busy_ms}}
+    entries = [entry("relay", 15640.5, 54.077, 23.087), entry("no-attention", 25235.4, 25.998, 33.322)]
+    with caplog.at_level("WARNING", logger=T.log.name):
+        T._add_comparisons(entries, {}, greedy=False)
+    relay, ceiling = entries
+    assert relay["vs_no_attention"] == 0.6198 and relay["device_vs_no_attention"] == 0.4808
+    assert ceiling["device_vs_no_attention"] == 1.0
+    assert "host-bound (host 33.3 ms a decode step, GPU 26.0)" in caplog.text
+    caplog.clear()
+    entries = [entry("relay", 15640.5, 54.077, 23.087), entry("no-attention", 32195.4, 26.298, 17.052)]
+    T._add_comparisons(entries, {}, greedy=False)
+    assert entries[0]["device_vs_no_attention"] == 0.4863 and "host-bound" not in caplog.text
+
+
 def test_command_reproduces_the_arguments():
     argv = ["bench", "throughput", "--workload", "multi-sample", "--batch", "8,16", "--no-warmup",
             "--no-enable-prefix-caching", "--chunk-size", "32"]
