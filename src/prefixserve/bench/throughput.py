@@ -12,9 +12,9 @@ whether every output is token for token the reference config's (`paged-nocache` 
 beside the GPU's idle time before it: the host work not hidden behind the previous step
 (`decode_profile`, medians over the decode steps; `host_busy_ms`: the host's own time per step,
 hidden or not), and `device_vs_no_attention` compares the median GPU steps: where the host
-bounds the ceiling's steps (1,024 rows of Llama-2-7B on an H200: its host 33 ms a step against
-the GPU's 26 in one session, 17 in another), its tokens/s understate what the GPU does without
-attention and every `vs_no_attention` reads high; the run warns when it does.
+bounds the ceiling's steps (1,024 rows of Llama-2-7B on an H200: its host took 33 ms a step
+against the GPU's 26 on one lent machine, 17-18 on others), its tokens/s understate what the
+GPU does without attention and every `vs_no_attention` reads high; the run warns when it does.
 """
 
 from __future__ import annotations
