@@ -95,13 +95,27 @@ def _item(units, w, num_work, HKV: gl.constexpr, TPE: gl.constexpr):
 
 
 @gluon.jit
-def _next_item(queue, units, pid, taken, num_work, HKV: gl.constexpr, TPE: gl.constexpr,
-               DYNAMIC: gl.constexpr):
-    """The program's next work item after `taken` ones -- p + taken * P, or DYNAMIC (after its
-    first, p) P + the next of queue[0] -- and `_item` of it: (w, taken + 1, *_item)."""
+def _take(queue, pid, taken, DYNAMIC: gl.constexpr, STRIDE_FIRST: gl.constexpr):
+    """Work item number `taken` (from 0) of CTA p: p + taken * P, or DYNAMIC the next of
+    queue[0] -- after a first item p by stride where STRIDE_FIRST (the counter then counts
+    from P; the caller takes item 0 itself), else the first one too (`hopper_tails`, whose
+    CTAs may wait for room beside the products). The row walk takes its first by stride: its
+    16 KB CTAs are all resident, and the first from the counter was 1-2% slower on Table 3's
+    fp8 rows on an H200 (kernels-notes.md, issue 25 part thirty-one)."""
     w = pid + taken * gl.num_programs(0)
     if DYNAMIC:
-        w = gl.num_programs(0) + gl.atomic_add(queue, 1, sem="relaxed")
+        w = gl.atomic_add(queue, 1, sem="relaxed")
+        if STRIDE_FIRST:
+            w += gl.num_programs(0)
+    return w
+
+
+@gluon.jit
+def _next_item(queue, units, pid, taken, num_work, HKV: gl.constexpr, TPE: gl.constexpr,
+               DYNAMIC: gl.constexpr):
+    """The program's next work item after `taken` ones (`_take`, its first by stride) and
+    `_item` of it: (w, taken + 1, *_item)."""
+    w = _take(queue, pid, taken, DYNAMIC, True)
     e0, per_row, n = _item(units, w, num_work, HKV, TPE)
     return w, taken + 1, e0, per_row, n
 

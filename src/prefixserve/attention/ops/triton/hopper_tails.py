@@ -8,8 +8,13 @@ Triton kernel walks it one 16-row tile at a time with one K/V tile in flight (it
 chain keeps Triton's pipeliner from buffering the next), so where the tails' bytes outlast
 the shared products its programs stream ~47 GB/s an SM, where an SM can pull ~100 (issue 25
 part twenty-eight). Here a CTA is one warpgroup walking work items (item w: unit w // Hkv,
-KV head w % Hkv; p, p + P, ... or, DYNAMIC, each the next of a device counter: `_take`)
-with the products swapped, so that the keys, not the rows, are wgmma's 64-row M side:
+KV head w % Hkv; p, p + P, ... or, DYNAMIC, each the next of a device counter, the first
+too -- `hopper_rows._take` --, so that a CTA still waiting for room beside the products holds
+none: started by PDL, the resident CTAs wait at their end for the wide launch, and a first
+item held by one not yet resident would start only after the products, its whole walk
+exposed; on an H200 relay's step on the Hydragen rows of 512-key tails under 8-16K shared
+keys took 1-8% less than by stride first, issue 25 part thirty-one) with the products
+swapped, so that the keys, not the rows, are wgmma's 64-row M side:
 
     a TMA ring   STAGES tiles [BLOCK_N = 64, D] of K and of V (`ready`: one mbarrier a
                  stage), issued up to STAGES - 1 tiles ahead of the walk across items
@@ -55,7 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .hopper_products import _IO_LAYOUT, _bounds, _mma_layout
-from .hopper_rows import _issue, _item
+from .hopper_rows import _issue, _item, _take
 
 ROWS = gl.constexpr(16)  # query rows a unit (q_len x G <= NARROW_ROWS): S^T's N side
 BLOCK_N = gl.constexpr(64)  # keys a tile: S^T's M side (wgmma's 64)
@@ -96,28 +101,12 @@ def _fetch_q(q, q_smem, units, w, num_work, stride_qt, HKV: gl.constexpr, G: gl.
 
 
 @gluon.jit
-def _take(queue, pid, taken, DYNAMIC: gl.constexpr):
-    """Work item number `taken` (from 0) of CTA p: p + taken * P, or DYNAMIC the next of
-    queue[0] -- the first one too (unlike `hopper_rows._next_item`), so that a CTA still
-    waiting for room beside the products holds none: started by PDL, the resident CTAs wait at
-    their end for the wide launch, and a first item held by one not yet resident would start
-    only after the products, exposing its whole walk. On an H200 (kernels-notes.md, issue 25
-    part thirty-one) relay's step on the Hydragen rows of 512-key tails under 8-16K shared keys
-    took 1-8% less than by stride first; the row walk keeps stride first (its 16 KB CTAs are
-    all resident: the same change there was 1-2% slower on Table 3's fp8 rows)."""
-    w = pid + taken * gl.num_programs(0)
-    if DYNAMIC:
-        w = gl.atomic_add(queue, 1, sem="relaxed")
-    return w
-
-
-@gluon.jit
 def _next(q, q_bufs, queue, units, pid, taken, num_work, stride_qt, HKV: gl.constexpr, G: gl.constexpr,
           HEAD_DIM: gl.constexpr, TPE: gl.constexpr, DYNAMIC: gl.constexpr):
     """The producer's next item after `taken` ones -- (w, taken + 1, its first entry, its
     tiles) -- its query rows fetched into the Q slot after the consumer's (the producer is at
     most one item ahead of the walk: it moves on only from the walk's item)."""
-    w = _take(queue, pid, taken, DYNAMIC)
+    w = _take(queue, pid, taken, DYNAMIC, False)
     e0, n, _ = _item(units, w, num_work, HKV, TPE)
     _fetch_q(q, q_bufs.index((taken + 1) % 2), units, w, num_work, stride_qt, HKV, G, HEAD_DIM)
     return w, taken + 1, e0, n
@@ -216,7 +205,7 @@ def _tails_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, 
     num_work = gl.load(unit_count) * HKV
     pid = gl.program_id(0)
     taken = 1
-    w = _take(queue, pid, 0, DYNAMIC)  # the walk's item; the producer's, pw: w or the one after it
+    w = _take(queue, pid, 0, DYNAMIC, False)  # the walk's item; the producer's, pw: w or the one after it
     pw = w
     p_e0, p_n, _ = _item(units, pw, num_work, HKV, TPE)
     _fetch_q(q, q_bufs.index(1), units, pw, num_work, stride_qt, HKV, G, HEAD_DIM)  # Q slot: taken % 2

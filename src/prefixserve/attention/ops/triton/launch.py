@@ -299,7 +299,7 @@ def pdl_beside(q: torch.Tensor, k_cache: torch.Tensor, launches: tuple[Launch, L
     9% less time on 8 rows and 1-6% more on 4 (512-key tails under 8-16K shared keys), where
     forked the order is chance (above): the swapped walk took its first items by stride, so
     its CTAs still waiting for room beside the products held one each until the products
-    ended. With every item from the counter (`hopper_tails._take`) those four steps took 1-8%
+    ended. With every item from the counter (`hopper_rows._take`) those four steps took 1-8%
     less by PDL than before, 0.4-1.8% less than forked on three of them and 3.9% more on b1024
     x 16K (kernels-notes.md, issue 25 part thirty-one)."""
     narrow, wide = launches
