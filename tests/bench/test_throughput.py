@@ -99,6 +99,33 @@ def test_warmup_runs_the_whole_workload_shifted():
     assert all(a[0] != b[0] for a, b in zip(prompts, wl.prompts, strict=True))
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_steps_time_is_charged_to_the_batch_it_waited_for(monkeypatch, asynchronous):
+    """With overlapped scheduling on CUDA a step launches its batch and waits for the one before
+    (`Engine.waits_for_previous`): the first decode step's wall time there is the prefill's GPU
+    time (a 16K prompt's: 0.73 s of relay's 7.75 s of "decode" on an H200), so it counts as
+    prefill. On the CPU a launch computes before it returns, and each step is its own batch's:
+    the real engine says so; the asynchronous case is the CUDA engine's answer given to it."""
+    from prefixserve import LLM
+    wl = W.hierarchical(W.token_source({}), 16, 3, 4, 5, 2)  # 3 prompts x 5 samples, 2 tokens
+    llm = LLM(kv_cache_memory=64 << 20)
+    try:
+        assert llm.engine.waits_for_previous is False  # a CPU engine
+        own, _ = T._timed_run(llm.engine, wl, False, "own")
+    finally:
+        llm.close()
+    monkeypatch.setattr(type(llm.engine), "waits_for_previous", property(lambda self: asynchronous))
+    llm = LLM(kv_cache_memory=64 << 20)
+    try:
+        charged, _ = T._timed_run(llm.engine, wl, False, "charged")
+    finally:
+        llm.close()
+    assert own["prefill_steps"] >= 1 and charged["steps"] == own["steps"]
+    # the prefill batches come first: the step after the last of them waits for it
+    assert charged["prefill_steps"] == own["prefill_steps"] + asynchronous
+    assert charged["output_tokens"] == own["output_tokens"] == 3 * 5 * 2
+
+
 def test_a_host_bound_ceiling_is_flagged_and_gpu_steps_compared(caplog):
     """Where the host bounds the no-attention ceiling's steps its tokens/s understate the GPU's,
     so `vs_no_attention` reads high: the run says so, and `device_vs_no_attention` compares the

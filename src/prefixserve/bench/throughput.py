@@ -4,7 +4,11 @@ For each sweep point the workload is built once; then each config gets a fresh e
 previous one freed first), an untimed pass of the whole workload on token-shifted prompts (the
 same steps, no cache hits on the real ones), and the whole batch submitted at once and run to
 completion. Reported per (config, point): output tokens/s and requests/s over the whole run,
-decode tokens/s over the steps that computed no prompt token (Hydragen's decode throughput),
+decode tokens/s over the steps that computed no prompt token (Hydragen's decode throughput;
+with overlapped scheduling a step's wall time is charged to the batch it waited for, the one
+the step before launched: a 16K-token prompt's prefill ran on the GPU during the first decode
+step's call and was counted as decode -- 0.73 s of relay's 7.75 s on Llama-2-7B dims on an
+H200 --),
 ratios to `paged-nocache` and to the `no-attention` ceiling, prompt tokens computed, peak KV
 tokens held (physical) vs the running sequences' lengths (logical), and for greedy workloads
 whether every output is token for token the reference config's (`paged-nocache` when run). With
@@ -173,6 +177,7 @@ class _Clock:
     peak_logical: int = 0
     cpu_s: float = 0.0  # this process's CPU time: on a shared machine, unlike wall time, not inflated by others
     computed: int = 0  # the engine's computed prompt tokens after the last step
+    launched_prefill: bool | None = None  # whether the last step's batch computed prompt tokens
     choices: Counter = dataclasses.field(default_factory=Counter)
     profile: list = dataclasses.field(default_factory=list)  # decode steps' (StepTiming, host wall s)
 
@@ -202,9 +207,12 @@ def _timed_run(engine, wl: W.Workload, progress: bool, desc: str) -> tuple[dict,
 
 def _step(engine, clock: _Clock, seen: dict[str, int], done: dict[str, RequestOutput]) -> int:
     """One engine step, timed and classified; -> tokens read in it. Not synchronized: with
-    overlapped scheduling a step returns while the next runs, and its wall time is the
-    device's step time whenever the host keeps up."""
+    overlapped scheduling on CUDA a step launches its batch and waits for the one before,
+    whose outputs and timing it returns (`Engine.waits_for_previous`), so its wall time (the
+    device's time for that batch whenever the host keeps up) and tokens are charged to that
+    batch's class, prefill or decode; elsewhere to its own batch's."""
     engine.take_step_timing()  # drop an earlier step's
+    waits_for = clock.launched_prefill if engine.waits_for_previous else None
     t = time.perf_counter()
     outs = engine.step()
     dt = time.perf_counter() - t
@@ -216,7 +224,8 @@ def _step(engine, clock: _Clock, seen: dict[str, int], done: dict[str, RequestOu
             done[out.request_id] = out
     stats = engine.stats()
     timing = engine.take_step_timing()
-    if stats.kv.computed_prompt_tokens > clock.computed:
+    clock.launched_prefill = stats.kv.computed_prompt_tokens > clock.computed
+    if clock.launched_prefill if waits_for is None else waits_for:
         clock.prefill_s, clock.prefill_steps = clock.prefill_s + dt, clock.prefill_steps + 1
     else:
         clock.decode_s, clock.decode_steps = clock.decode_s + dt, clock.decode_steps + 1

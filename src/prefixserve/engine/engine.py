@@ -184,6 +184,13 @@ class LLMEngine:
         return self.cfg.scheduler.overlap_schedule and self.workers is None and not self._penalized
 
     @property
+    def waits_for_previous(self) -> bool:
+        """Whether the next `step` spends its time on the batch the step before launched: it
+        launches its own and collects the one before (overlapped scheduling), and the device
+        runs launches asynchronously (CUDA; on the CPU a launch computes before it returns)."""
+        return self._can_overlap() and torch.device(self.device).type == "cuda"
+
+    @property
     def max_sequence_tokens(self) -> int:
         """The most tokens (prompt + generated) one sequence can ever hold: the context, or what
         the KV cache can give it beside the pinned chunks with one chunk to spare."""
