@@ -224,8 +224,10 @@ def _step(engine, clock: _Clock, seen: dict[str, int], done: dict[str, RequestOu
             done[out.request_id] = out
     stats = engine.stats()
     timing = engine.take_step_timing()
-    clock.launched_prefill = stats.kv.computed_prompt_tokens > clock.computed
-    if clock.launched_prefill if waits_for is None else waits_for:
+    launched_prefill = stats.kv.computed_prompt_tokens > clock.computed
+    prefill = launched_prefill if waits_for is None else waits_for  # the batch this step's time was
+    clock.launched_prefill = launched_prefill
+    if prefill:
         clock.prefill_s, clock.prefill_steps = clock.prefill_s + dt, clock.prefill_steps + 1
     else:
         clock.decode_s, clock.decode_steps = clock.decode_s + dt, clock.decode_steps + 1
