@@ -38,7 +38,7 @@ from prefixserve.attention.backends.relay import RelayBackend  # noqa: E402
 from prefixserve.attention.base import PaddedRows  # noqa: E402
 from prefixserve.attention.ops import reference  # noqa: E402
 from prefixserve.attention.ops import triton as tops  # noqa: E402
-from prefixserve.attention.ops.triton import grids  # noqa: E402
+from prefixserve.attention.ops.triton import grids, worklist  # noqa: E402
 from prefixserve.attention.ops.triton.configs import (  # noqa: E402
     NARROW_REGS_BESIDE_GLUON,
     NARROW_ROWS,
@@ -541,6 +541,66 @@ def test_items_need_the_position_mask_as_their_units_do():
             assert answer == wl.causal[cls], (seed, cls)
             answers.add(answer)
     assert answers == {False, True}
+
+
+def _prompt(cached: int, new: int, chunk: int):
+    """One sequence's prefill: `new` rows after `cached` cached keys, one item over all its
+    chunks (as `plan.index_arrays` cuts it): (q_pos, item arrays, kv_chunk, kv_lo, kv_hi, kv_pos)."""
+    n_chunks = -(-(cached + new) // chunk)
+    kv_lo = np.zeros(n_chunks, np.int64)
+    kv_hi = np.minimum(chunk, cached + new - chunk * np.arange(n_chunks))
+    kv_pos = chunk * np.arange(n_chunks)
+    return (cached + np.arange(new), np.array([0]), np.array([new]), np.array([0]),
+            np.array([0, n_chunks]), np.arange(n_chunks)[::-1].copy(), kv_lo, kv_hi, kv_pos)
+
+
+@pytest.mark.parametrize("cached,new,group,block_m", [(0, 300, 1, 64), (40, 200, 4, 64), (0, 128, 2, 128),
+                                                      (500, 20, 1, 64)])
+def test_prefill_units_leave_out_the_keys_after_their_rows(cached, new, group, block_m):
+    """A prompt's row blocks read its entries up to their last row's position, each such
+    (row, entry) pair once; nothing after it (the upper triangle's tiles, all masked)."""
+    q_pos, q_start, q_len, out_start, kv_indptr, _, kv_lo, kv_hi, kv_pos = _prompt(cached, new, 16)
+    cfgs = (KernelConfig(16, 32), KernelConfig(block_m, 32))
+    wl = build_worklist(q_start, q_len, out_start, kv_indptr, new, None, None, cfgs, group=group,
+                        num_kv_heads=2, chunk_size=16, itemsize=2, num_sms=4,
+                        positions=[q_pos, kv_pos, kv_lo, kv_hi])
+    units = np.concatenate([wl.narrow, wl.wide])
+    assert wl.causal == (len(wl.narrow) > 0, len(wl.wide) > 0)
+    pairs = set()
+    for qs, n, e0, e1, _, _ in units.tolist():
+        last_row = q_pos[qs + n - 1]
+        assert e0 == e1 or kv_pos[e1 - 1] <= last_row  # its last entry: seen by its last row
+        pairs |= {(r, e) for r in range(qs, qs + n) for e in range(e0, e1)}
+    if -(-new * group // block_m) > 1:  # two row blocks or more: some reads fewer entries than all
+        assert len(pairs) < new * int(kv_indptr[-1])
+    seen = {(r, e) for r in range(new) for e in range(int(kv_indptr[-1])) if kv_pos[e] <= q_pos[r]}
+    assert seen <= pairs  # every entry a row sees some key of
+    assert sum(int(n) * int(e1 - e0) for _, n, e0, e1, _, _ in units.tolist()) == len(pairs)  # each once
+    for e0, e1 in zip(units[:-1, 3] - units[:-1, 2], units[1:, 3] - units[1:, 2], strict=True):
+        assert e0 >= e1  # longest first
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_prefill_without_the_upper_triangle_gives_the_same_outputs(dtype, monkeypatch):
+    """The trimmed units' outputs are the untrimmed units' (values equal, both launches'
+    kernels, with a cached prefix and without)."""
+    g = torch.Generator().manual_seed(7)
+    hkv, grp, d, chunk = 2, 2, 64, 16
+    for cached, new in ((0, 150), (37, 90)):
+        q_pos, *items, kv_chunk, kv_lo, kv_hi, kv_pos = _prompt(cached, new, chunk)
+        n_chunks = len(kv_chunk)
+        k_cache, v_cache = (torch.randn(n_chunks, chunk, hkv, d, generator=g).to(dtype) for _ in "kv")
+        q = torch.randn(new, hkv * grp, d, generator=g).to(dtype)
+        idx = [torch.from_numpy(np.asarray(a)).int() for a in (q_pos, *items, kv_chunk, kv_lo, kv_hi, kv_pos)]
+        args = to_dev(q, k_cache, v_cache, *idx)
+        configs = (KernelConfig(16, 32, num_warps=2), KernelConfig(64, 32))
+        o, lse = tops.attend_items(*args, d ** -0.5, new, sms=3, configs=configs)
+        with monkeypatch.context() as m:
+            m.setattr(worklist, "trim_causal", lambda units, *_: units)
+            o_all, lse_all = tops.attend_items(*args, d ** -0.5, new, sms=3, configs=configs)
+        assert torch.equal(o, o_all) and torch.equal(lse, lse_all), (cached, new)
+        o_ref, _ = reference.attend_items(q, k_cache, v_cache, *idx, d ** -0.5, new)
+        assert (o.cpu() - o_ref).abs().max() <= o_tol(dtype) * v_cache.abs().max().float()
 
 
 @pytest.mark.parametrize("merge", [False, True])

@@ -20,6 +20,10 @@ the Gluon wide kernel left room for the narrow shape `choose_configs` fits besid
 Load balance (split-K, as FlashDecoding / FlashInfer's scheduler do) and the SMs each launch
 takes: `grids`.
 
+Prefill's upper triangle. A block of a prompt's rows reads the item's entries up to its last
+row's position; the entries after that (about half of a long prompt's tiles) would only be
+masked whole, so `trim_causal` leaves them out of the unit.
+
 New keys (decode). In a step where every row reads only keys at or before its own position,
 each row's newest key (the one this step's store writes) is read by one unit alone: the last
 split of the row's own tail item. That unit takes the key from the step's k/v (not from the
@@ -83,7 +87,7 @@ class WorkList:
     merge_indptr: np.ndarray | None  # [num_rows + 1]: final row -> merge_parts range
     merge_parts: np.ndarray | None  # [S']: scratch rows in row order; None: no merge
     direct: bool  # no merge: units write final rows (out_row indexes the output)
-    causal: tuple[bool, bool]  # (narrow, wide): some row precedes one of its unit's keys
+    causal: tuple[bool, bool]  # (narrow, wide): some row precedes one of its unit's keys (as cut, before `trim_causal`)
     stores: bool  # units write every row's new key (store != -1, see above); no store launch
     wide_sms: int  # the SMs the wide units are balanced over (fewer than all: `grids.wide_sms`, `grids.walk_sms`)
     fused: np.ndarray | None = None  # [Un, 3]: each narrow unit's (final row, others start,
@@ -162,6 +166,8 @@ def build_worklist(q_start: npt.ArrayLike, q_len: npt.ArrayLike, out_start: npt.
                            max(1, cfg.block_m // group), cls) for cls, cfg in classes)
     causal = (positions is None or needs_causal(narrow, *positions),
               positions is None or needs_causal(wide, *positions))
+    if positions is not None:  # prefill: no tile of a row block's upper triangle
+        narrow, wide = (trim_causal(u, *positions) if c else u for u, c in zip((narrow, wide), causal, strict=True))
     stores = (kv_chunk is not None and positions is not None and not any(causal)
               and mark_stores([narrow, wide], q_start, q_len, kv_chunk, *positions))
     if not scratch and row_indptr is None:
@@ -271,6 +277,37 @@ def _range_reduce(ufunc: np.ufunc, values: np.ndarray, starts: np.ndarray, ends:
     """ufunc over values[starts[i]:ends[i]] for every i (non-empty ranges, any order)."""
     bounds = np.stack([starts, ends], 1).reshape(-1)
     out: np.ndarray = ufunc.reduceat(np.append(values, values[:1]), bounds)[::2]
+    return out
+
+
+def trim_causal(units: np.ndarray, q_pos: npt.ArrayLike, kv_pos: npt.ArrayLike,
+                kv_lo: npt.ArrayLike, kv_hi: npt.ArrayLike) -> np.ndarray:
+    """`units` with each one's trailing entries whose every key follows all of its rows left
+    out (a prefill row block's upper triangle: about half a long prompt's tiles). Under the
+    position mask such a tile's scores are all -inf, so it leaves a row's (m, l, acc) as they
+    were (p = 0, alpha = 1): the outputs are the same values without it. A unit may be left
+    with no entries (a split past its rows: it writes them (0, -inf), which the merge
+    weighs 0). Decode units lose nothing (every key precedes its row). Longest first again.
+    Entries hold ascending positions within an item (`plan`), so the unseen ones are a
+    suffix; should one not be, only the suffix goes."""
+    if len(units) == 0:
+        return units
+    q_pos, kv_pos, kv_lo, kv_hi = (np.asarray(x, np.int64) for x in (q_pos, kv_pos, kv_lo, kv_hi))
+    row_max = _range_reduce(np.maximum, q_pos, units[:, 0], units[:, 0] + units[:, 1])
+    n = units[:, 3] - units[:, 2]
+    some = n > 0  # (`_range_reduce` wants non-empty ranges)
+    key_max = np.full(len(units), -1, np.int64)
+    key_max[some] = _range_reduce(np.maximum, kv_pos + kv_hi - kv_lo - 1, units[some, 2], units[some, 3])
+    cut = np.nonzero(key_max > row_max)[0]  # units with a key after their last row
+    if len(cut) == 0:
+        return units
+    units = units.copy()
+    n = n[cut]
+    e = np.repeat(units[cut, 2], n) + np.arange(int(n.sum())) - np.repeat(_csr(n)[:-1], n)
+    seen = kv_pos[e] <= np.repeat(row_max[cut], n)  # the entry's first key: seen by the last row
+    last = np.maximum.reduceat(np.where(seen, e + 1, 0), _csr(n)[:-1])
+    units[cut, 3] = np.maximum(last, units[cut, 2])
+    out: np.ndarray = units[np.argsort(units[:, 2] - units[:, 3], kind="stable")]
     return out
 
 
