@@ -106,6 +106,44 @@ def shared_items(seed: int, dtype: torch.dtype, hkv: int, g: int, d: int, chunk:
             i32(kv_chunk), i32(kv_lo), i32(kv_hi), i32(kv_pos)), rows
 
 
+def prompt_items(seed: int, dtype: torch.dtype, hkv: int, g: int, d: int, chunk: int,
+                 prompts: list[tuple[int, int, int]]):
+    """attend_items' arguments for prefill `prompts` of (cached keys, new rows, first slot):
+    one item each, its new rows after its cached keys (row r at position cached + r), over
+    its own run of chunks from slot `first` of the first; chunk ids shuffled, every slot no
+    item covers NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    spans = [-(-(first + cached + new) // chunk) for cached, new, first in prompts]
+    k_cache = torch.full((sum(spans) + 1, chunk, hkv, d), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    perm = torch.randperm(k_cache.shape[0], generator=gen).tolist()
+    rows = sum(new for _, new, _ in prompts)
+    q = torch.randn(rows, hkv * g, d, generator=gen).to(dtype)
+    q_pos, q_start, kv_chunk, kv_lo, kv_hi, kv_pos, indptr = [], [], [], [], [], [], [0]
+    for (cached, new, first), span in zip(prompts, spans, strict=True):
+        q_start.append(len(q_pos))
+        q_pos += range(cached, cached + new)
+        pos = 0
+        for c in range(span):
+            lo, hi = (first if c == 0 else 0), min(chunk, first + cached + new - c * chunk)
+            cid = perm.pop()
+            for cache in (k_cache, v_cache):
+                cache[cid, lo:hi] = torch.randn(hi - lo, hkv, d, generator=gen).to(dtype)
+            kv_chunk.append(cid)
+            kv_lo.append(lo)
+            kv_hi.append(hi)
+            kv_pos.append(pos)
+            pos += hi - lo
+        indptr.append(len(kv_chunk))
+
+    def i32(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int32)
+
+    q_len = [new for _, new, _ in prompts]
+    return (q, k_cache, v_cache, i32(q_pos), i32(q_start), i32(q_len), i32(q_start), i32(indptr),
+            i32(kv_chunk), i32(kv_lo), i32(kv_hi), i32(kv_pos)), rows
+
+
 def to_fp8(seed: int, args: tuple, hkv: int, d: int):
     """`shared_items`' arguments over an fp8 cache (per-head powers of two, as the engine's
     scales; NaN slots stay NaN): (arguments, kv_scale)."""
@@ -176,6 +214,103 @@ def test_gluon_wide_launch_matches_twin(dtype, hkv, g, d, chunk, items, sms, blo
         results.append(o)
     # the two kernels: the same products and softmax, up to the order of fp32 sums
     assert (results[0] - results[1]).abs().max() <= 2 * U[dtype] * vmax
+
+
+PROMPTS = [  # (dtype, Hkv, G, D, chunk, prompts of (cached keys, new rows, first slot))
+    (torch.float16, 2, 1, 128, 64, [(0, 700, 0), (130, 300, 5)]),
+    (torch.bfloat16, 2, 4, 128, 64, [(0, 257, 0), (1000, 70, 63)]),
+    (torch.float16, 4, 2, 64, 128, [(40, 500, 100)]),
+]
+
+
+@pytest.mark.parametrize("dtype,hkv,g,d,chunk,prompts", PROMPTS)
+@pytest.mark.parametrize("sms", [None, 3], ids=["whole-items", "split-k"])
+@pytest.mark.parametrize("block_m", [128, 32], ids=["two-row-groups", "one-row-group"])
+def test_gluon_wide_launch_over_a_prompt_matches_twin(dtype, hkv, g, d, chunk, prompts, sms, block_m):
+    """Prefill: a prompt's row blocks (after cached keys or none, entries starting inside a
+    chunk) masked by position in the tiles across their diagonal, the tiles after it left out
+    (split-k: some splits past a block's rows hold no tile): against the twin and the Triton
+    kernel. Over an fp8 cache the Triton kernel runs them."""
+    seed = len(prompts) + d + g
+    args, rows = prompt_items(seed, dtype, hkv, g, d, chunk, prompts)
+    dev = [x.to(DEVICE) for x in args]
+    assert hopper.applies(dev[0], dev[1], block_m, True, None, False)
+    fp8_args, _ = to_fp8(seed, args, hkv, d)
+    assert not hopper.applies(dev[0], fp8_args[1].to(DEVICE), 32, True, None, False)
+    o_ref, lse_ref = reference.attend_items(*args, 1.0 / d**0.5, rows)
+    vmax = args[2].nan_to_num(0).abs().max().float()
+    results = []
+    for use in (True, False):  # the Gluon kernel, then the Triton kernel it replaces
+        wide = KernelConfig(block_m, 64, num_stages=2, programs_per_sm=2, hopper=use)
+        o, lse = (x.cpu() for x in tops.attend_items(*dev, 1.0 / d**0.5, rows, sms=sms,
+                                                     configs=(NARROW, wide)))
+        check_partials(o, lse, o_ref, lse_ref, (1e-5 + 2 * U[dtype]) * vmax)
+        results.append(o)
+    assert (results[0] - results[1]).abs().max() <= 2 * U[dtype] * vmax
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_step_with_gluon_wide_units(dtype, monkeypatch):
+    """A prefill step: 3 prompts of 300-700 new tokens (G 4) after a shared 200-token cached
+    prefix. Relay's plan takes the Gluon wide kernel (masked by position) for the prompts'
+    row blocks and for the shared item; against the same plan on the Triton kernel, paged,
+    and dense attention; the cache holds the new keys; a second run gives the same output."""
+    import math
+
+    from prefixserve.attention.backends.paged import PagedBackend
+    from prefixserve.attention.backends.relay import RelayBackend
+    from prefixserve.attention.base import AttentionBatch, AttentionShape, Segment, SeqQueries
+    from prefixserve.attention.ops.triton import kernels as tk
+
+    c, hkv, g, d = 64, 4, 4, 128
+    shape = AttentionShape(hkv * g, hkv, d, 1 / math.sqrt(d), dtype, DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    news = (300, 700, 450)
+    n_chunks = 4 + sum(-(-n // c) + 1 for n in news)
+    ids = iter(torch.randperm(n_chunks, generator=gen).tolist())
+    shared = Segment(0, 0, 200, tuple(next(ids) for _ in range(4)), 0)
+    seqs, slots, start = [], [], 0
+    for i, n in enumerate(news):
+        own = Segment(1 + i, 200, n, tuple(next(ids) for _ in range(-(-n // c))), 0)
+        seqs.append(SeqQueries(start, n, 200, (shared, own)))
+        slots.append(own.slots(c))
+        start += n
+    batch = AttentionBatch(tuple(seqs), c, torch.cat(slots))
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(dtype).to(DEVICE)  # noqa: E731
+    q, k, v = rnd(start, hkv * g, d), rnd(start, hkv, d), rnd(start, hkv, d)
+    k_cache, v_cache = rnd(n_chunks, c, hkv, d), rnd(n_chunks, c, hkv, d)
+    choose = tk.choose_configs
+
+    def triton_wide(*args, **kwargs):
+        narrow, wide = choose(*args, **kwargs)
+        return narrow, dataclasses.replace(wide, hopper=False)
+
+    outs = {}
+    for label, cls, on in (("gluon", RelayBackend, True), ("triton", RelayBackend, False),
+                           ("paged", PagedBackend, True)):
+        monkeypatch.setattr(tk, "choose_configs", choose if on else triton_wide)
+        be = cls(shape, kernels=tops.TritonKernels(shape))
+        be.plan(batch)
+        x = be.current.extra
+        assert x["causal_wide"] and x["wide_hopper"] == on and not x["wide_pairs"], label
+        kc, vc = k_cache.clone(), v_cache.clone()
+        outs[label] = be.run(q, k, v, kc, vc).float()
+        again = be.run(q, k, v, k_cache.clone(), v_cache.clone()).float()
+        assert torch.equal(again, outs[label]) and not outs[label].isnan().any(), label
+        assert torch.equal(kc.view(-1, hkv, d)[batch.slots.to(DEVICE)], k), label
+    dense = []
+    for s in seqs:  # the shared keys from the cache, the prompt's own from k, v
+        kd = torch.cat([k_cache.view(-1, hkv, d)[shared.slots(c).to(DEVICE)], k[s.q_start:s.q_start + s.q_len]])
+        vd = torch.cat([v_cache.view(-1, hkv, d)[shared.slots(c).to(DEVICE)], v[s.q_start:s.q_start + s.q_len]])
+        kd, vd = (x.double().repeat_interleave(g, 1).transpose(0, 1) for x in (kd, vd))
+        qd = q[s.q_start:s.q_start + s.q_len].double().transpose(0, 1)
+        mask = torch.ones(s.q_len, 200 + s.q_len, dtype=torch.bool, device=DEVICE).tril(200)
+        dense.append(torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask,
+                                                                      scale=shape.scale).transpose(0, 1))
+    ref = torch.cat(dense)
+    vmax = max(v.abs().max(), v_cache.abs().max()).float()
+    for label, o in outs.items():
+        assert (o - ref).abs().max() <= 4 * U[dtype] * vmax, label
 
 
 @pytest.mark.parametrize("dtype,hkv,g,d,chunk,items", CASES)

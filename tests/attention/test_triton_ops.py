@@ -266,22 +266,26 @@ def test_dynamic_launches_match_dense_run_after_run(prefill):
 def test_launch_shapes_follow_the_kernel_that_runs_the_wide_units(monkeypatch):
     """Where the Gluon wide kernel runs (made to seem so here: the CPU has none), a decode
     step's launches take the shapes chosen for it (24 sequences under a shared prefix: 32-row
-    wide units); a step with prefill rows in its wide units needs the position mask, and a
-    decode step with G > NARROW_ROWS has wide units that store the new keys: only the Triton
-    kernel does either, and those keep the Triton kernel's shapes."""
+    wide units), and so do a prefill step's over a 16-bit cache (its wide units masked by
+    position); over an fp8 cache prefill rows need the position mask, and a decode step with
+    G > NARROW_ROWS has wide units that store the new keys: only the Triton kernel does
+    either, and those keep the Triton kernel's shapes."""
     from prefixserve.bench.kernels.rows import Workload, build
 
     monkeypatch.setattr("prefixserve.attention.ops.triton.kernels._gluon_wide", lambda shape, chunk_size: True)
     decode = build(Workload("test", 24, 16, 16, 64, 300, (256,), 16, "float16"), torch.device("cpu"))
     prefill = tree_case(5, torch.float16, 64, 3, 16, True)
+    prefill_fp8 = dataclasses.replace(prefill, shape=dataclasses.replace(prefill.shape, kv_dtype=reference.FP8))
     g20 = build(Workload("test", 4, 40, 2, 64, 300, (256,), 16, "float16"), torch.device("cpu"))
-    for case, gluon_shapes, block_m in ((decode, True, 32), (prefill, False, 128), (g20, False, 128)):
+    for case, gluon_shapes, block_m in ((decode, True, 32), (prefill, True, 128), (prefill_fp8, False, 128),
+                                        (g20, False, 128)):
         kernels = tops.TritonKernels(case.shape, sms=3)
         backend = RelayBackend(case.shape, kernels=kernels)
         backend.plan(case.batch)
         x = backend.current.extra
         assert x["wide_programs"] > 0 and x["wide_block_m"] == block_m
-        gluon, triton = (choose_configs(block_m, 64, 2, gluon=g) for g in (True, False))
+        fp8 = case.shape.kv_dtype == reference.FP8
+        gluon, triton = (choose_configs(block_m, 64, 2, gluon=g, fp8=fp8) for g in (True, False))
         assert gluon != triton
         chosen = (kernels.launch_config(x, "narrow"), kernels.launch_config(x, "wide"))
         assert chosen == (gluon if gluon_shapes else triton)

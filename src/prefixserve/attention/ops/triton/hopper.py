@@ -2,7 +2,9 @@
 
 The same function as `attend._attend_kernel` over the wide units of a decode step (twin:
 `ops.reference.attend_items`), for the shape that dominates shared-prefix decoding: units of up
-to 128 rows (R query rows x G heads) against a long run of 16-bit K/V chunks. Triton 3.6
+to 128 rows (R query rows x G heads) against a long run of 16-bit K/V chunks; and over a
+prompt's row blocks (prefill), masked by position in the tiles across their diagonal
+(`hopper_products._softmax`; `worklist.trim_causal` leaves the tiles after it out). Triton 3.6
 cannot express this structure on Hopper (issue 5); Gluon can. One persistent CTA per SM, three
 partitions (two where no unit holds more than 64 rows) over the same sequence of work items
 p, p + P, ... of the U units x Hkv heads, head-major (item w: unit w % U, KV head w // U), so
@@ -47,7 +49,7 @@ take P and Q in e4m3: not exact. Units of 128 rows over fp8 stay the Triton kern
 Taken only where it applies (`applies`), on the Triton it is tested on
 (`launch.hopper_module`): CUDA compute capability 9.x, fp16 / bf16 queries over a cache of
 their dtype or fp8, D 64 or 128 (at 256 the pipelined loop spills), C a power of two >=
-BLOCK_N, no position mask (decode: every row sees every key of its units), no sliding window,
+BLOCK_N, a position mask (a prompt's rows) only over a 16-bit cache, no sliding window,
 G <= 16 where units store new keys (a wide unit then stores its rows' own: worklist's
 `_absorb_keys`; at G > 16 a decode tail's, in its last entry, which the Triton kernel takes),
 wide units of at most 128 rows (64 over fp8).
@@ -73,6 +75,7 @@ from .hopper_products import (
     _own_join,
     _own_keys,
     _own_loads,
+    _row_positions,
     _skip,
     _stage_q,
     _walk,
@@ -109,7 +112,7 @@ def applies(q: torch.Tensor, k_cache: torch.Tensor, block_m: int, causal: bool,
     holds its rows' keys (store -2 - t), not a decode tail's last entry's."""
     most = 64 if k_cache.dtype == FP8 else BLOCK_M
     return (supports(q.device, q.dtype, k_cache.dtype, q.shape[-1], k_cache.shape[1])
-            and NARROW_ROWS < block_m <= most and not causal and window is None
+            and NARROW_ROWS < block_m <= most and not (causal and k_cache.dtype == FP8) and window is None
             and (not stores or q.shape[1] // k_cache.shape[2] <= NARROW_ROWS))
 
 
@@ -202,10 +205,10 @@ def _widen(src, dst, ready):
 @gluon.jit
 def _rows_partition(q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem, k_bufs, v_bufs,
                     k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_lt, scale_log2, WG: gl.constexpr, HKV: gl.constexpr,
+                    stride_lt, scale_log2, q_pos, kv_pos, WG: gl.constexpr, HKV: gl.constexpr,
                     G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                     TPE: gl.constexpr, WRITE_LSE: gl.constexpr, STORE: gl.constexpr,
-                    HOLD: gl.constexpr, FP8: gl.constexpr):
+                    HOLD: gl.constexpr, FP8: gl.constexpr, CAUSAL: gl.constexpr):
     """Consumer: rows [64 WG, 64 WG + 64) of every work item's tile, one warpgroup. Row m of
     a unit's tile is (query row q_start + m // G, head h * G + m % G). STORE: a unit whose
     store is -2 - t also attends to its rows' own new keys (new_kv: their pointers and
@@ -214,7 +217,9 @@ def _rows_partition(q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem, 
     HOLD (one row warpgroup: its registers hold their values over the walk; at two, 176
     registers a thread spilled 656 bytes so); else all after the walk. FP8: the tiles are an
     fp8 cache's, widened (`_widen_partition`): the head's K scale joins the score scale, its V
-    scale the output (new_kv[9]: kv_scale [4, Hkv]; powers of two, exact)."""
+    scale the output (new_kv[9]: kv_scale [4, Hkv]; powers of two, exact). CAUSAL: a prompt's
+    rows, masked by position (q_pos of the rows, kv_pos of the entries) in the tiles that
+    cross their diagonal (`_softmax`)."""
     num_units, first, end, step = _items(unit_count, HKV)
     it = 0  # tiles consumed so far, as the producer counts them
     for w in range(first, end, step):
@@ -239,13 +244,17 @@ def _rows_partition(q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem, 
             q_rows = (q + (q_start + m // G).to(gl.int64)[:, None] * stride_qt
                       + (h * G + m % G)[:, None] * stride_qh)
             _stage_q(q_rows, m // G < q_len, q_smem, HEAD_DIM)
+            causal = (kv_pos, q_start, q_start)  # (no position mask: unused)
+            if CAUSAL:
+                qp, q_min = _row_positions(q_pos, q_start, q_len, WG, G, BLOCK_N)
+                causal = (kv_pos, qp, q_min)
             if STORE:
                 if HOLD:
                     s_own = _own_keys(q_smem, kt, vt, dst, new_kv, t <= -2, q_len, sl2, WG, G,
                                       HEAD_DIM, BLOCK_N)
             acc, m_i, l_i = _walk(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, kv_lo, kv_hi,
-                                  e0, num_tiles, it, sl2, q_smem.dtype, HEAD_DIM, BLOCK_N, TPE,
-                                  not HOLD)
+                                  e0, num_tiles, it, sl2, causal, q_smem.dtype, HEAD_DIM, BLOCK_N, TPE,
+                                  not HOLD, CAUSAL)
             if STORE:
                 if not HOLD:
                     kt, vt, dst = _own_loads(new_kv, t <= -2, q_len, -2 - t, h, WG, HKV, G, HEAD_DIM,
@@ -265,11 +274,11 @@ def _rows_partition(q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem, 
 def _wide_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o, lse,
                  k_new, v_new, slots, k_cache, v_cache, kv_scale, stride_kt, stride_kh, stride_vt,
                  stride_vh, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, scale_log2,
-                 chunk_size, HKV: gl.constexpr, G: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 chunk_size, q_pos, kv_pos, HKV: gl.constexpr, G: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BLOCK_N: gl.constexpr, TPE: gl.constexpr, STAGES: gl.constexpr,
                  WRITE_LSE: gl.constexpr, ROWS_REGS: gl.constexpr, ROW_GROUPS: gl.constexpr,
                  TRIGGER: gl.constexpr, STORE: gl.constexpr, DTYPE: gl.constexpr,
-                 RING_LAYOUT: gl.constexpr, FP8: gl.constexpr):
+                 RING_LAYOUT: gl.constexpr, FP8: gl.constexpr, CAUSAL: gl.constexpr):
     # DTYPE, RING_LAYOUT: the products' operands (q's dtype; fp16 over an fp8 cache)
     if TRIGGER:  # a merging narrow launch may start beside this one (`launch.launch_worklist`)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
@@ -290,8 +299,8 @@ def _wide_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
         gl.warp_specialize([
             (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem.index(0), k_bufs,
                                v_bufs, k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot,
-                               stride_oh, stride_lt, scale_log2, 0, HKV, G, HEAD_DIM, BLOCK_N, TPE,
-                               WRITE_LSE, STORE, ROW_GROUPS == 1, FP8)),
+                               stride_oh, stride_lt, scale_log2, q_pos, kv_pos, 0, HKV, G, HEAD_DIM, BLOCK_N,
+                               TPE, WRITE_LSE, STORE, ROW_GROUPS == 1, FP8, CAUSAL)),
             (_widen_partition, (units, unit_count, k8_bufs, v8_bufs, k8_ready, v8_ready, empty8,
                                 k_bufs, v_bufs, k_ready, v_ready, empty, HKV, TPE)),
             (_load_partition, (units, unit_count, kv_chunk, k_desc, v_desc, k8_bufs, v8_bufs,
@@ -301,8 +310,8 @@ def _wide_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
         gl.warp_specialize([
             (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem.index(0), k_bufs,
                                v_bufs, k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot,
-                               stride_oh, stride_lt, scale_log2, 0, HKV, G, HEAD_DIM, BLOCK_N, TPE,
-                               WRITE_LSE, STORE, ROW_GROUPS == 1, FP8)),
+                               stride_oh, stride_lt, scale_log2, q_pos, kv_pos, 0, HKV, G, HEAD_DIM, BLOCK_N,
+                               TPE, WRITE_LSE, STORE, ROW_GROUPS == 1, FP8, CAUSAL)),
             (_load_partition, (units, unit_count, kv_chunk, k_desc, v_desc, k_bufs, v_bufs,
                                k_ready, v_ready, empty, chunk_size, HKV, HEAD_DIM, BLOCK_N, TPE)),
         ], [1], [24])
@@ -310,12 +319,12 @@ def _wide_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
         gl.warp_specialize([
             (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem.index(0), k_bufs,
                                v_bufs, k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot,
-                               stride_oh, stride_lt, scale_log2, 0, HKV, G, HEAD_DIM, BLOCK_N, TPE,
-                               WRITE_LSE, STORE, ROW_GROUPS == 1, FP8)),
+                               stride_oh, stride_lt, scale_log2, q_pos, kv_pos, 0, HKV, G, HEAD_DIM, BLOCK_N,
+                               TPE, WRITE_LSE, STORE, ROW_GROUPS == 1, FP8, CAUSAL)),
             (_rows_partition, (q, units, unit_count, kv_lo, kv_hi, o, lse, new_kv, q_smem.index(1), k_bufs,
                                v_bufs, k_ready, v_ready, empty, stride_qt, stride_qh, stride_ot,
-                               stride_oh, stride_lt, scale_log2, 1, HKV, G, HEAD_DIM, BLOCK_N, TPE,
-                               WRITE_LSE, STORE, ROW_GROUPS == 1, FP8)),
+                               stride_oh, stride_lt, scale_log2, q_pos, kv_pos, 1, HKV, G, HEAD_DIM, BLOCK_N,
+                               TPE, WRITE_LSE, STORE, ROW_GROUPS == 1, FP8, CAUSAL)),
             (_load_partition, (units, unit_count, kv_chunk, k_desc, v_desc, k_bufs, v_bufs, k_ready,
                                v_ready, empty, chunk_size, HKV, HEAD_DIM, BLOCK_N, TPE)),
         ], [4, 1], [ROWS_REGS, 24])
@@ -340,14 +349,16 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
            scale: float, o: torch.Tensor, lse: torch.Tensor | None, programs: int,
            block_m: int = BLOCK_M, maxnreg: int = 0, trigger: bool = False,
            new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-           kv_scale: torch.Tensor | None = None) -> None:
+           kv_scale: torch.Tensor | None = None,
+           positions: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """`launch.launch_units` for a launch that `applies`: the first count[0] units on a
     persistent grid of `programs` CTAs, count[1] of which take units (`_items`), at most one
     per SM (its shared memory and `maxnreg` registers a thread -- 0: MAXNREG, MAXNREG_FP8 over
     an fp8 cache -- leave room for narrow programs only, not a second CTA). trigger: the
     launch after this one may start beside it (programmatic dependent launch). new_kv: (k, v
     [T, Hkv, D], slots [T] int64) where units hold their rows' new keys (store -2 - t).
-    kv_scale: an fp8 cache's [4, Hkv]."""
+    kv_scale: an fp8 cache's [4, Hkv]. positions: (q_pos, kv_pos) where the units need the
+    position mask (a prompt's rows)."""
     n_chunks, chunk_size, hkv, d = k_cache.shape
     g = q.shape[1] // hkv
     fp8 = k_cache.dtype == FP8
@@ -361,16 +372,17 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, units:
         scale *= 256.0
     maxnreg = maxnreg or (MAXNREG_FP8 if fp8 else MAXNREG)
     k_new, v_new, slots = new_kv or (q, q, units)  # no store: any pointers
+    q_pos, kv_pos = positions or (units, units)  # no position mask: any pointers
     _wide_kernel[(programs,)](
         q, units, count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o, o if lse is None else lse,
         k_new, v_new, slots, k_cache, v_cache, q if kv_scale is None else kv_scale,
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), 0 if lse is None else lse.stride(0),
-        scale * 1.4426950408889634, chunk_size, HKV=hkv, G=g, HEAD_DIM=d, BLOCK_N=BLOCK_N,
+        scale * 1.4426950408889634, chunk_size, q_pos, kv_pos, HKV=hkv, G=g, HEAD_DIM=d, BLOCK_N=BLOCK_N,
         TPE=chunk_size // BLOCK_N, STAGES=STAGES, WRITE_LSE=lse is not None,
         ROWS_REGS=rows_regs(maxnreg), ROW_GROUPS=1 if block_m <= 64 else 2, TRIGGER=trigger,
-        STORE=new_kv is not None, DTYPE=dtype, RING_LAYOUT=ring, FP8=fp8, num_warps=4,
-        maxnreg=maxnreg)
+        STORE=new_kv is not None, DTYPE=dtype, RING_LAYOUT=ring, FP8=fp8, CAUSAL=positions is not None,
+        num_warps=4, maxnreg=maxnreg)
 
 
 def rows_regs(maxnreg: int) -> int:

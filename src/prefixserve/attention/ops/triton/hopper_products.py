@@ -61,6 +61,23 @@ def _bounds(kv_lo, kv_hi, e0, j, BLOCK_N: gl.constexpr, TPE: gl.constexpr):
     return gl.load(kv_lo + e) - first, gl.load(kv_hi + e) - first
 
 
+@gluon.jit
+def _key_base(kv_pos, kv_lo, e0, j, BLOCK_N: gl.constexpr, TPE: gl.constexpr):
+    """The position of the key in the unit's tile j's slot 0 (slot n's: + n; a position mask's)."""
+    e = e0 + j // TPE
+    return gl.load(kv_pos + e) - gl.load(kv_lo + e) + (j % TPE) * BLOCK_N
+
+
+@gluon.jit
+def _row_positions(q_pos, q_start, q_len, WG: gl.constexpr, G: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(qp [64]: the positions of a warpgroup's rows, in the scores' row layout, -1 for
+    padding rows (they see no key); q_min: the least of them) -- a position mask's rows."""
+    m = WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _mma_layout(BLOCK_N)))
+    real = m // G < q_len
+    qp = gl.load(q_pos + q_start + m // G, mask=real, other=-1)
+    return qp, gl.min(gl.where(real, qp, 2147483647), 0)
+
+
 @gluon.constexpr_function
 def _mma_layout(n):
     """The wgmma accumulator layout of a warpgroup's [64, n] tile."""
@@ -146,12 +163,13 @@ def _own_join(acc, m_i, l_i, s, vt, HEAD_DIM: gl.constexpr):
 
 @gluon.jit
 def _walk(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, kv_lo, kv_hi, e0, num_tiles, it,
-          scale_log2, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-          TPE: gl.constexpr, FULL_SKIP: gl.constexpr):
+          scale_log2, causal, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+          TPE: gl.constexpr, FULL_SKIP: gl.constexpr, CAUSAL: gl.constexpr):
     """The unit's tiles it, it + 1, ... (num_tiles of them) into (acc [64, D] unnormalized,
     m_i, l_i [64]: running max and sum, base 2), releasing each stage once read. Software-
     pipelined as FlashAttention-3 within a warpgroup: the scores and softmax of tile j + 1 run
-    while tile j's P V is on the tensor cores. FULL_SKIP: `_softmax`'s."""
+    while tile j's P V is on the tensor cores. FULL_SKIP: `_softmax`'s. CAUSAL: the position
+    mask, causal = (kv_pos, qp, q_min: `_row_positions`)."""
     stages: gl.constexpr = k_bufs.type.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM)
@@ -165,25 +183,31 @@ def _walk(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, kv_lo, kv_hi, e0, num
     pv = gl.zeros([64, BLOCK_N], dtype, p_layout)
     lo = e0 * 0  # the current tile's key slots [lo, hi)
     hi = e0 * 0
+    kb = e0 * 0  # and (CAUSAL) its slot 0's key position
     if num_tiles > 0:  # (a unit with no entries reads no bounds: e0 may be past the last)
         lo, hi = _bounds(kv_lo, kv_hi, e0, 0, BLOCK_N, TPE)
+        if CAUSAL:
+            kb = _key_base(causal[0], kv_lo, e0, 0, BLOCK_N, TPE)
         sc = _scores(q_smem, k_bufs, k_ready, it, BLOCK_N, s_layout)
         pv, alpha, m_i, l_i = _softmax(sc, n, lo, hi, m_i, l_i, scale_log2, p_layout, dtype,
-                                       FULL_SKIP)
+                                       FULL_SKIP, kb, causal, CAUSAL)
     for j in range(0, num_tiles - 1):
         s = (it + j) % stages
         # the next tile's bounds: loaded before the waits, so that their latency hides
         n_lo, n_hi = _bounds(kv_lo, kv_hi, e0, j + 1, BLOCK_N, TPE)
+        n_kb = kb
+        if CAUSAL:
+            n_kb = _key_base(causal[0], kv_lo, e0, j + 1, BLOCK_N, TPE)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         nxt = _issue_scores(q_smem, k_bufs, k_ready, it + j + 1, BLOCK_N, s_layout)
         v_buf = _ready_v(v_bufs, v_ready, it + j, n_v, lo, hi)
         tok = warpgroup_mma(pv, v_buf, acc, is_async=True)
         sc, _, _ = warpgroup_mma_wait(1, deps=[nxt, q_smem, k_bufs.index((s + 1) % stages)])
         pv_next, alpha, m_i, l_i = _softmax(sc, n, n_lo, n_hi, m_i, l_i, scale_log2, p_layout,
-                                            dtype, FULL_SKIP)
+                                            dtype, FULL_SKIP, n_kb, causal, CAUSAL)
         acc, _, _ = warpgroup_mma_wait(0, deps=[tok, v_buf, pv])
         pv = pv_next
-        lo, hi = n_lo, n_hi
+        lo, hi, kb = n_lo, n_hi, n_kb
         gl.thread_barrier()  # every warp's products read stage s: release it
         mbarrier.arrive(empty.index(s), count=1)
     if num_tiles > 0:  # the last tile: nothing left to overlap
@@ -252,7 +276,7 @@ def _scores(q_smem, k_bufs, k_ready, it, BLOCK_N: gl.constexpr, s_layout: gl.con
 
 @gluon.jit
 def _softmax(sc, n, lo, hi, m_i, l_i, scale_log2, p_layout: gl.constexpr, dtype: gl.constexpr,
-             FULL_SKIP: gl.constexpr):
+             FULL_SKIP: gl.constexpr, kb, causal, CAUSAL: gl.constexpr):
     """Online-softmax step of one tile (scores sc [64, BLOCK_N], unscaled; its keys are the
     slots n [BLOCK_N] in [lo, hi), the others score -inf). Returns (P in the 16-bit dtype as
     the P V product's register operand, alpha: the rescale of the running output, m_i, l_i).
@@ -261,13 +285,19 @@ def _softmax(sc, n, lo, hi, m_i, l_i, scale_log2, p_layout: gl.constexpr, dtype:
     warpgroups that took 2-5% off three of the Hydragen grid's four FLOP-bound steps in every
     pass (the fourth: -8.5%, +3.5%, -6.3%; the launch alone up to 12%); with one, the branch
     made Table 3's 2,048-key all-shared step 2-4% slower in every pass, so it selects on every
-    tile there (kernels-notes.md, issue 25 part eighteen)."""
+    tile there (kernels-notes.md, issue 25 part eighteen). CAUSAL: in a tile whose last key
+    follows the warpgroup's first row (a prompt's diagonal; slot n's key at position kb + n,
+    the rows' at causal[1], the least causal[2]) a key after a row's position scores -inf for
+    that row; the other tiles select nothing more."""
     BLOCK_N: gl.constexpr = sc.shape[1]
     if FULL_SKIP:
         if (lo > 0) | (hi < BLOCK_N):
             sc = gl.where(((n >= lo) & (n < hi))[None, :], sc, float("-inf"))
     else:
         sc = gl.where(((n >= lo) & (n < hi))[None, :], sc, float("-inf"))
+    if CAUSAL:
+        if kb + hi - 1 > causal[2]:
+            sc = gl.where((kb + n)[None, :] <= causal[1][:, None], sc, float("-inf"))
     return _online(sc, m_i, l_i, scale_log2, p_layout, dtype)
 
 

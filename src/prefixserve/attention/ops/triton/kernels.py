@@ -74,15 +74,16 @@ class TritonKernels:
         wide_rows = q_len[q_len * self.group > NARROW_ROWS]
         # a graph's launch shapes are fixed by its row count (an item holds at most all rows)
         rows_hint = (batch.padded.rows if batch.padded else int(wide_rows.max(initial=0))) * self.group
-        # the shapes of the kernel that will run the wide units: Gluon's takes no position
-        # mask (prefill rows, a window) and stores no new key (G > NARROW_ROWS: the decode
-        # tails are wide units): the Triton kernel runs those
+        # the shapes of the kernel that will run the wide units: Gluon's takes no window, no
+        # position mask over an fp8 cache (a prompt's rows) and stores no new key (G >
+        # NARROW_ROWS: the decode tails are wide units): the Triton kernel runs those
         positions = [required(arrays, f) for f in ("q_pos", "kv_pos", "kv_lo", "kv_hi")]
         gluon = (_gluon_wide(s, batch.chunk_size) and not batch.windowed
                  and self.group <= NARROW_ROWS
-                 and not items_need_causal(required(arrays, "item_q_start"), q_len,
-                                           required(arrays, "item_kv_indptr"),
-                                           q_len * self.group > NARROW_ROWS, *positions))
+                 and (s.kv_itemsize != 1
+                      or not items_need_causal(required(arrays, "item_q_start"), q_len,
+                                               required(arrays, "item_kv_indptr"),
+                                               q_len * self.group > NARROW_ROWS, *positions)))
         # the narrow units' row walk: G 1 and none needs the position mask (a graph's step is a
         # decode step: asserted below)
         walk = (self.group == 1 and not batch.windowed and _gluon_rows(s)
@@ -130,7 +131,8 @@ class TritonKernels:
             wl = work_list(configs)
         stores = (wl.stores, bool(wl.stores and (wl.narrow[:, 5] != -1).any()),
                   bool(wl.stores and (wl.wide[:, 5] != -1).any()))  # (any, narrow, wide)
-        if gluon and not self.configs:  # the wide launch over chunk pairs where the products bound the step
+        if gluon and not self.configs and not wl.causal[1]:  # the wide launch over chunk pairs where
+            # the products bound a decode step
             if (not configs[0].tails  # (the swapped walk's CTA beside the pairs' does not fit an SM)
                     and wide_pairs(configs[1], batch.chunk_size, fp8, stores[2], wl.wide_sms == self.sms, shared, own)):
                 configs = (configs[0], dataclasses.replace(configs[1], pairs=True))

@@ -161,11 +161,12 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                         cfg.block_n, cfg.num_stages, cfg.maxnreg, new_kv, kv_scale, queue, merge)
             return
         if runs_gluon(q, k_cache, cfg, causal, window, slots is not None):
+            assert not (cfg.pairs and causal), "the chunk pairs take no position mask"
             gluon = hopper_module("hopper_pairs") if cfg.pairs else hopper_module()
             assert gluon is not None  # (the same Triton as `hopper`)
             gluon.launch(q, k_cache, v_cache, units, count, kv_chunk, kv_lo, kv_hi, scale, o, lse,
                          min(programs, num_sms(q.device)), cfg.block_m, cfg.maxnreg, trigger, new_kv,
-                         kv_scale)
+                         kv_scale, **({"positions": (q_pos, kv_pos)} if causal else {}))
             return
         programs = min(programs, resident_programs(args, meta, q.device))
     _attend_kernel[(programs,)](*args, **meta)
