@@ -70,10 +70,11 @@ def choose_configs(max_wide_rows: int, head_dim: int, itemsize: int, gluon: bool
     than 2; 64 keys took 10-28% less time than 32, v6). Fewer rows than a tile: the next
     power of two (Table 3's 32 rows), as a tile's padding rows cost full products. A 128-row
     program's registers leave room for 2 per SM: its grid targets those 2.
-    gluon: the step's wide launch runs the Gluon kernel (`hopper.applies`: a decode step
-    whose wide units store no new key), one CTA an SM, which its splits target (at 128 rows
-    too: targeting Triton's 2 an SM, b256 x 8K / 16K shared keys took 4 / 8 splits where 2 end
-    as soon; with 2 the steps were 4-11% shorter on an H200, issue 25 part nineteen). At 128
+    gluon: the step's wide launch runs the Gluon kernel (`hopper.applies`: wide units that
+    store no new key, a decode step's or over a 16-bit cache a prompt's), one CTA an SM, which
+    its splits target (at 128 rows too: targeting Triton's 2 an SM, b256 x 8K / 16K shared
+    keys took 4 / 8 splits where 2 end as soon; with 2 the steps were 4-11% shorter on an
+    H200, issue 25 part nineteen). At 128
     rows it leaves each SM sub-partition room for one warp of NARROW_REGS_BESIDE_GLUON
     registers (`hopper.MAXNREG`); the narrow launch then fits beside it, so that the tails
     stream while the products run: that many registers a thread, half the keys a tile (2-warp

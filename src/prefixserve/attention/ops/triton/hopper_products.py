@@ -6,7 +6,8 @@ softmax in base 2 (`_softmax`), O += P V (P from registers), each stage released
 software-pipelined as FlashAttention-3 within a warpgroup: the scores and softmax of tile
 j + 1 run while tile j's P V is on the tensor cores. Then its rows are written (`_write_rows`:
 o = acc / l, lse = ln 2 (m + log2 l)). A warpgroup whose rows are all padding only turns the
-ring (`_skip`).
+ring (`_skip`). A prompt's rows (CAUSAL) are masked by position too, in the tiles that cross
+their diagonal only (`_softmax`; the work list leaves the tiles after it out).
 
 Tiles: the cache is viewed as [chunks * C, Hkv * D]; tile j of entry e is rows kv_chunk[e] * C
 + (j % TPE) * BLOCK_N, + BLOCK_N (TPE = C // BLOCK_N tiles per entry, so a tile never leaves
