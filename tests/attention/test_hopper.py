@@ -7,7 +7,8 @@ Triton kernel's tests. Tolerances as in test_triton_ops (16-bit P on the tensor 
 
 The problems are decode steps over shared items with many rows (units of 128 rows: R query
 rows x G heads), whose entries start and end inside chunks, with NaN in every slot no entry
-covers: a slot outside [lo, hi) must reach neither a score nor the output.
+covers: a slot outside [lo, hi) must reach neither a score nor the output; and prompts
+(prefill), whose row blocks are masked by position across their diagonal.
 """
 
 from __future__ import annotations
