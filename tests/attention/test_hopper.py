@@ -109,40 +109,13 @@ def shared_items(seed: int, dtype: torch.dtype, hkv: int, g: int, d: int, chunk:
 
 def prompt_items(seed: int, dtype: torch.dtype, hkv: int, g: int, d: int, chunk: int,
                  prompts: list[tuple[int, int, int]]):
-    """attend_items' arguments for prefill `prompts` of (cached keys, new rows, first slot):
-    one item each, its new rows after its cached keys (row r at position cached + r), over
-    its own run of chunks from slot `first` of the first; chunk ids shuffled, every slot no
-    item covers NaN."""
-    gen = torch.Generator().manual_seed(seed)
-    spans = [-(-(first + cached + new) // chunk) for cached, new, first in prompts]
-    k_cache = torch.full((sum(spans) + 1, chunk, hkv, d), float("nan"), dtype=dtype)
-    v_cache = k_cache.clone()
-    perm = torch.randperm(k_cache.shape[0], generator=gen).tolist()
-    rows = sum(new for _, new, _ in prompts)
-    q = torch.randn(rows, hkv * g, d, generator=gen).to(dtype)
-    q_pos, q_start, kv_chunk, kv_lo, kv_hi, kv_pos, indptr = [], [], [], [], [], [], [0]
-    for (cached, new, first), span in zip(prompts, spans, strict=True):
-        q_start.append(len(q_pos))
-        q_pos += range(cached, cached + new)
-        pos = 0
-        for c in range(span):
-            lo, hi = (first if c == 0 else 0), min(chunk, first + cached + new - c * chunk)
-            cid = perm.pop()
-            for cache in (k_cache, v_cache):
-                cache[cid, lo:hi] = torch.randn(hi - lo, hkv, d, generator=gen).to(dtype)
-            kv_chunk.append(cid)
-            kv_lo.append(lo)
-            kv_hi.append(hi)
-            kv_pos.append(pos)
-            pos += hi - lo
-        indptr.append(len(kv_chunk))
-
-    def i32(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int32)
-
-    q_len = [new for _, new, _ in prompts]
-    return (q, k_cache, v_cache, i32(q_pos), i32(q_start), i32(q_len), i32(q_start), i32(indptr),
-            i32(kv_chunk), i32(kv_lo), i32(kv_hi), i32(kv_pos)), rows
+    """`shared_items` for prefill `prompts` of (cached keys, new rows, first slot): one item
+    each over its cached and new keys, its new rows after the cached ones (row r at position
+    cached + r)."""
+    args, rows = shared_items(seed, dtype, hkv, g, d, chunk,
+                              [(new, first, cached + new, 0) for cached, new, first in prompts])
+    q_pos = torch.cat([torch.arange(cached, cached + new) for cached, new, _ in prompts]).int()
+    return (*args[:3], q_pos, *args[4:]), rows
 
 
 def to_fp8(seed: int, args: tuple, hkv: int, d: int):
