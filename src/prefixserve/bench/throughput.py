@@ -3,12 +3,13 @@
 For each sweep point the workload is built once; then each config gets a fresh engine (the
 previous one freed first), an untimed pass of the whole workload on token-shifted prompts (the
 same steps, no cache hits on the real ones), and the whole batch submitted at once and run to
-completion. Reported per (config, point): output tokens/s and requests/s over the whole run,
-decode tokens/s over the steps that computed no prompt token (Hydragen's decode throughput;
-with overlapped scheduling a step's wall time is charged to the batch it waited for, the one
-the step before launched: a 16K-token prompt's prefill ran on the GPU during the first decode
-step's call and was counted as decode -- 0.73 s of relay's 7.75 s on Llama-2-7B dims on an
-H200 --),
+completion; with `--rounds N` all of that N times, the configs' order rotated each round, and
+each config keeps its fastest run. Reported per (config, point): output tokens/s and
+requests/s over the whole run, decode tokens/s over the steps that computed no prompt token
+(Hydragen's decode throughput; with overlapped scheduling a step's wall time is charged to the
+batch it waited for, the one the step before launched: a 16K-token prompt's prefill ran on the
+GPU during the first decode step's call and was counted as decode -- 0.73 s of relay's 7.75 s
+on Llama-2-7B dims on an H200 --),
 ratios to `paged-nocache` and to the `no-attention` ceiling, prompt tokens computed, peak KV
 tokens held (physical) vs the running sequences' lengths (logical), and for greedy workloads
 whether every output is token for token the reference config's (`paged-nocache` when run). With
@@ -51,6 +52,10 @@ def register(sub) -> None:
     p.add_argument("--configs", type=R.config_list, default=list(R.CONFIGS),
                    help=f"comma-separated, run in this order (default: all: {','.join(R.CONFIGS)})")
     p.add_argument("--no-warmup", action="store_true", help="skip the per-config warm-up")
+    p.add_argument("--rounds", type=_positive, default=1,
+                   help="run every config this many times, the order rotated each round, and keep each "
+                        "config's fastest run (the others' elapsed times are kept beside it): whichever "
+                        "config runs first in a process may read slower")
     p.add_argument("--profile", action="store_true",
                    help="CUDA: each decode step's GPU time and the GPU's idle time before it (events)")
     g = p.add_argument_group("workload (lists sweep: one JSON entry per config and value)")
@@ -92,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("workload %s %s: %d sequences, %d prompt tokens, %d output tokens", wl.name, point,
                  wl.num_sequences, wl.prompt_tokens, wl.output_tokens)
         entries += compare_configs(args.configs, engine_kw, wl, point, progress=not args.no_progress,
-                                   warmup=not args.no_warmup, profile=args.profile)
+                                   warmup=not args.no_warmup, profile=args.profile, rounds=args.rounds)
     doc = _document(args, hw, model, engine_kw, entries)
     doc["load_average"] = {"start": load_start, "end": R.load_average()}
     print_summary(doc)
@@ -103,12 +108,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def compare_configs(configs: list[str], engine_kw: dict, wl: W.Workload, point: dict,
-                    progress: bool = True, warmup: bool = True, profile: bool = False) -> list[dict]:
-    """Run `wl` under each config in turn; entries with ratios and the exactness verdict."""
+                    progress: bool = True, warmup: bool = True, profile: bool = False,
+                    rounds: int = 1) -> list[dict]:
+    """Run `wl` under each config in turn, `rounds` times, round r starting at config r (mod
+    their number); entries (in `configs`' order) with ratios and the exactness verdict, each of
+    its config's least elapsed time, with every round's in `round_elapsed_s` (and with `profile`
+    its median GPU decode step in `round_device_ms`) where rounds > 1.
+    (On an H200, whichever of two configs of one plan ran first decoded 1-2.6% slower:
+    kernels-notes.md, issue 25 part thirty-three.)"""
+    runs: dict[str, list[tuple[dict, list]]] = {name: [] for name in configs}
+    for r in range(rounds):
+        start = r % len(configs)
+        for name in configs[start:] + configs[:start]:
+            runs[name].append(run_config(name, {**engine_kw, **R.CONFIGS[name]}, wl, progress, warmup, profile))
     entries, outputs = [], {}
     for name in configs:
-        entry, outputs[name] = run_config(name, {**engine_kw, **R.CONFIGS[name]}, wl, progress,
-                                          warmup, profile)
+        entry, outputs[name] = min(runs[name], key=lambda run: run[0]["elapsed_s"])
+        if rounds > 1:
+            entry = {**entry, "round_elapsed_s": [m["elapsed_s"] for m, _ in runs[name]]}
+            if profile:  # (None for a round without decode steps)
+                entry["round_device_ms"] = [(m["decode_profile"] or {}).get("device_ms") for m, _ in runs[name]]
         entries.append({"config": name, **point, **entry})
     _add_comparisons(entries, outputs, wl.greedy)
     return entries
@@ -298,6 +317,13 @@ def _warmup(llm, wl: W.Workload) -> None:
     vocab = llm.engine.vocab_size
     prompts = [[(t + _WARMUP_SHIFT) % vocab for t in p] for p in wl.prompts]
     llm.generate(prompts, wl.params, use_tqdm=False)
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def _points(args) -> list[dict]:
