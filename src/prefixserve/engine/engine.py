@@ -41,6 +41,7 @@ from ..kvcache.prefix_tree import PUBLIC, Partition, PrefixTree
 from ..model import loader
 from ..model.parallel import TPGroup, check_divides
 from ..sampling_params import Logprob, SamplingParams
+from . import heap
 from .detokenizer import with_decoded_tokens
 from .model_runner import Launched, ModelRunner, StepTiming
 from .pins import Pin, PinTable
@@ -128,12 +129,14 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._stepping: list[Sequence] = []  # the sequences the current step scheduled
         self.peak_physical_tokens = 0
+        heap.freeze()  # (after everything start-up builds: see heap.py)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (if any); the engine is unusable afterwards."""
         if self.workers is not None:
             self.workers.close()
             self.workers = None
+        heap.unfreeze()
 
     # ---- the heartbeat ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

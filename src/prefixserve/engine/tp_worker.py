@@ -6,7 +6,8 @@ once and rank 0 would wait in the rendezvous forever). The launcher (workers.py)
 `WorkerArgs` pickled to standard input and reads this process's stderr tail if it dies.
 
 Start-up order, which rank 0 watches step by step: die with the parent (PR_SET_PDEATHSIG),
-join the store (`joined/<rank>`), the process group, build the rank, then serve steps.
+join the store (`joined/<rank>`), the process group, build the rank (its heap frozen:
+heap.py), then serve steps.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..model.parallel import TPGroup
+from . import heap
 from .workers import WorkerArgs, build_rank, init_group, joined_key, store_timeout
 
 
@@ -39,6 +41,7 @@ def main() -> None:
     store.set(joined_key(args.rank), "1")
     init_group(args.cfg, args.rank, args.size, store)
     state = build_rank(args.cfg, TPGroup(args.rank, args.size, args.cfg.deterministic))
+    heap.freeze()
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
