@@ -54,8 +54,8 @@ def register(sub) -> None:
     p.add_argument("--no-warmup", action="store_true", help="skip the per-config warm-up")
     p.add_argument("--rounds", type=_positive, default=1,
                    help="run every config this many times, the order rotated each round, and keep each "
-                        "config's fastest run (the others' elapsed times are kept beside it): whichever "
-                        "config runs first in a process may read slower")
+                        "config's fastest run (every round's elapsed time is kept beside it): a run's "
+                        "elapsed time varies with the host's hiccups")
     p.add_argument("--profile", action="store_true",
                    help="CUDA: each decode step's GPU time and the GPU's idle time before it (events)")
     g = p.add_argument_group("workload (lists sweep: one JSON entry per config and value)")
@@ -114,8 +114,9 @@ def compare_configs(configs: list[str], engine_kw: dict, wl: W.Workload, point: 
     their number); entries (in `configs`' order) with ratios and the exactness verdict, each of
     its config's least elapsed time, with every round's in `round_elapsed_s` (and with `profile`
     its median GPU decode step in `round_device_ms`) where rounds > 1.
-    (On an H200, whichever of two configs of one plan ran first decoded 1-2.6% slower:
-    kernels-notes.md, issue 25 part thirty-three.)"""
+    (On an H200 the no-attention ceiling's elapsed time moved 20% between two rounds, its steps
+    near host-bound; before `engine.heap` froze the start-up heap, the first config of a process
+    collected twice and read 4-6% slower: kernels-notes.md, issue 25 part thirty-four.)"""
     runs: dict[str, list[tuple[dict, list]]] = {name: [] for name in configs}
     for r in range(rounds):
         start = r % len(configs)
