@@ -26,3 +26,19 @@ def test_an_engine_freezes_its_start_up_heap_and_a_closed_one_is_collected():
     del llm
     gc.collect()
     assert engine() is None and pool() is None
+
+
+def test_an_engine_dropped_without_close_is_freed_while_its_heap_stays_frozen():
+    """A notebook that builds a second LLM without closing the first: the first engine holds
+    no reference cycle, so dropping it frees it and its KV pool although the heap it froze
+    stays frozen."""
+    gc.unfreeze()
+    llm = LLM(kv_cache_memory=64 << 20)
+    engine, pool = weakref.ref(llm.engine), weakref.ref(llm.engine.pool)
+    del llm
+    gc.collect()
+    try:
+        assert gc.get_freeze_count() > 100_000
+        assert engine() is None and pool() is None
+    finally:
+        gc.unfreeze()
