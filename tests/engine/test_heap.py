@@ -28,17 +28,24 @@ def test_an_engine_freezes_its_start_up_heap_and_a_closed_one_is_collected():
     assert engine() is None and pool() is None
 
 
-def test_an_engine_dropped_without_close_is_freed_while_its_heap_stays_frozen():
-    """A notebook that builds a second LLM without closing the first: the first engine holds
-    no reference cycle, so dropping it frees it and its KV pool although the heap it froze
-    stays frozen."""
+class _Cyclic:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_an_engine_dropped_without_close_is_freed_and_the_next_collects_its_cycles():
+    """A notebook that builds a second LLM without closing the first: the first engine holds no
+    reference cycle, so dropping it frees it and its KV pool although the heap it froze stays
+    frozen; a cycle frozen with it (here one alive when it started) is collected once the next
+    engine starts, before that one allocates its pool."""
     gc.unfreeze()
+    alive = _Cyclic()  # (a cycle: once dropped, only the collector frees it)
+    cycle = weakref.ref(alive)
     llm = LLM(kv_cache_memory=64 << 20)
     engine, pool = weakref.ref(llm.engine), weakref.ref(llm.engine.pool)
-    del llm
+    del llm, alive
     gc.collect()
-    try:
-        assert gc.get_freeze_count() > 100_000
-        assert engine() is None and pool() is None
-    finally:
-        gc.unfreeze()
+    assert engine() is None and pool() is None
+    assert cycle() is not None and gc.get_freeze_count() > 100_000  # frozen with the first engine
+    with LLM(kv_cache_memory=64 << 20):
+        assert cycle() is None

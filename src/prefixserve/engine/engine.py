@@ -91,6 +91,7 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):
+        heap.thaw()  # (what an engine dropped unclosed left frozen, before this one takes memory)
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         tp = cfg.tensor_parallel_size
@@ -136,7 +137,7 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.close()
             self.workers = None
-        heap.unfreeze()
+        heap.thaw()
 
     # ---- the heartbeat ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
