@@ -137,7 +137,7 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.close()
             self.workers = None
-        heap.thaw()
+        heap.unfreeze()  # (collecting here would free nothing of this engine: it is still held)
 
     # ---- the heartbeat ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -9,10 +9,11 @@ median of 26-54; with the start-up heap frozen its 4 full collections took 6-14 
 the no-attention ceiling's run 9-11% less time (kernels-notes.md, issue 25 part
 thirty-four). So each process that steps the model freezes its heap once it is built, as
 vLLM does after its start-up: the frozen objects stay out of later collections. Reference
-counting still frees them; only cycles among them wait for `thaw`, which a closing engine
-calls, and so does a starting one before it takes memory: the cycles that an engine dropped
-without `close` left frozen (a notebook's first LLM, say) are collected before the next one
-allocates its KV pool (a process may build several engines in turn: the benchmarks do).
+counting still frees them; only cycles among them wait until they are unfrozen: a closing
+engine unfreezes (its cycles then go with the next full pass), and a starting one thaws
+before it takes memory, so that the cycles that an engine dropped without `close` left frozen
+(a notebook's first LLM, say) are collected before the next one allocates its KV pool (a
+process may build several engines in turn: the benchmarks do).
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ def freeze() -> None:
     gc.freeze()
 
 
-def thaw() -> None:
-    """Give the frozen objects back to the collector (the oldest generation) and collect."""
+def unfreeze() -> None:
+    """Give the frozen objects back to the collector (the oldest generation)."""
     gc.unfreeze()
+
+
+def thaw() -> None:
+    """`unfreeze`, then collect."""
+    unfreeze()
     gc.collect()
