@@ -13,9 +13,9 @@ when none does:
 Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. picks token i with
 probability p_i / sum(p) (the Gumbel-max trick without logs), so the probabilities need no
 renormalising after top_k / top_p / min_p. A seeded row's noise is a counter-based hash of
-(its seed, its output length, the token id): drawn for all seeded rows in one vectorised call,
-independent of what else is in the batch, and the same again when a preempted sequence is
-recomputed. Unseeded rows draw from torch's default generator.
+(its seed, its output length, the token id), raced for all seeded rows in one call (`race`:
+a fused kernel on CUDA), independent of what else is in the batch, and the same again when a
+preempted sequence is recomputed. Unseeded rows draw from torch's default generator.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
+from prefixserve.engine import race
 from prefixserve.sampling_params import Logprob, SamplingParams
 
 
@@ -201,7 +202,7 @@ def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow], whole_vocab: bool) 
     if any(p.min_p > 0 for p in params):
         min_p = _column([p.min_p for p in params], device)
         probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
-    return (probs / _exponential_noise(probs, rows)).argmax(-1)
+    return _race(probs, rows)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float], whole_vocab: bool = False) -> torch.Tensor:
@@ -229,44 +230,29 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float], who
     return torch.full_like(logits, float("-inf")).scatter_(1, order, values)
 
 
-def _exponential_noise(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """[R, V] i.i.d. Exp(1); a seeded row's values are a function of (seed, step, token) only."""
-    noise = torch.empty_like(probs)
-    unseeded = [r for r, row in enumerate(rows) if row.sample_seed is None]
-    if len(unseeded) == len(rows):
-        noise.exponential_()
-    elif unseeded:
-        at = _to_device(unseeded, probs.device)
-        noise[at] = noise[at].exponential_()
-    seeded = {r: (row.sample_seed, len(row.output_token_ids))  # row -> (seed, step)
-              for r, row in enumerate(rows) if row.sample_seed is not None}
-    if seeded:
-        drawn = -torch.log(_hash_uniform(list(seeded.values()), probs.shape[1], probs.device)).to(noise.dtype)
-        if len(seeded) == len(rows):
-            noise = drawn
-        else:
-            noise[_to_device(list(seeded), probs.device)] = drawn
-    # a zero-probability token must never win through 0 / 0 = nan
-    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-
-
-_M32 = 0xFFFFFFFF
-
-
-def _pcg(x: torch.Tensor) -> torch.Tensor:
-    """The PCG output hash on 32-bit values held in int64 (every product stays below 2^63)."""
-    state = (x * 747796405 + 2891336453) & _M32
-    word = (((state >> ((state >> 28) + 4)) ^ state) * 277803737) & _M32
-    return (word >> 22) ^ word
-
-
-def _hash_uniform(keys: list[tuple[int, int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(keys), vocab] float64 in (0, 1): row i, column t hashes (seed_i, step_i, t)."""
-    seeds = _to_device([k[0] for k in keys], device)
-    steps = _to_device([k[1] for k in keys], device)
-    row = _pcg(_pcg((seeds & _M32) ^ _pcg((seeds >> 32) & _M32)) ^ (steps & _M32))
-    x = _pcg((row[:, None] + torch.arange(vocab, device=device)) & _M32)
-    return (x.double() + 0.5) / 2.0 ** 32
+def _race(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """[R] int64: argmax_t probs[r, t] / E[r, t], E i.i.d. Exp(1). A seeded row's E is a
+    function of (seed, step, token) only (`race`); unseeded rows draw from torch's generator."""
+    seeds = {r: row.sample_seed for r, row in enumerate(rows) if row.sample_seed is not None}
+    seeded = list(seeds)
+    winners = torch.empty(0, dtype=torch.int64, device=probs.device)
+    if len(seeded) < len(rows):
+        unseeded = [r for r, row in enumerate(rows) if row.sample_seed is None]
+        sub = _rows(probs, unseeded)
+        # a zero-probability token must never win through 0 / 0 = nan
+        noise = torch.empty_like(sub).exponential_().clamp_min_(torch.finfo(sub.dtype).tiny)
+        winners = (sub / noise).argmax(-1)
+        if not seeded:
+            return winners
+    keys = race.row_keys(_to_device(list(seeds.values()), probs.device),
+                         _to_device([len(rows[r].output_token_ids) for r in seeded], probs.device))
+    drawn = race.seeded_race(_rows(probs, seeded).contiguous(), keys)
+    if len(seeded) == len(rows):
+        return drawn
+    out = torch.empty(len(rows), dtype=torch.int64, device=probs.device)
+    out[_to_device(unseeded, probs.device)] = winners
+    out[_to_device(seeded, probs.device)] = drawn
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
