@@ -21,6 +21,10 @@ import os
 import pytest
 import torch
 
+if os.environ.get("PREFIXSERVE_TRITON_TEST_DEVICE", "cpu") != "cpu":
+    # its engine runs on the CPU in the interpreter, and setting TRITON_INTERPRET here would
+    # take every kernel test module collected beside it off the GPU
+    pytest.skip("a CPU test: the engine in Triton's interpreter", allow_module_level=True)
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' modules import triton
 pytest.importorskip("triton")
 
