@@ -22,10 +22,11 @@ twenty-seven): cuDNN's kernel has `hopper`'s structure over 128-key tiles and ke
 pipe busy 77% of cycles to `hopper`'s 59% on the same products. Here, on an H200: the launch
 alone 3-5% faster than `hopper`'s 64-key tiles (27% fewer instructions), the steps of the
 Hydragen grid's rows whose wide units hold every SM 2-7% shorter -- and on the rows where the
-tails outlast the products 2-5% longer (the tails beside it stream slower: what slows tails
-beside the products is the products' compute, not their traffic or their room -- two narrow
-programs fit beside either CTA --, and this kernel's products are the denser; kernels-notes.md,
-issue 25 parts thirty-two and thirty-six), so there `hopper`'s own tiles run. With
+tails outlast the products 2-5% longer (the tails beside it stream slower: two narrow programs
+fit beside either CTA, which alone stream 0.7 of the tails' whole grid's rate, and the
+products' compute -- their wgmma most, not their traffic -- slows those two further; this
+kernel's products are the denser; kernels-notes.md, issue 25 parts thirty-two, thirty-six and
+thirty-seven), so there `hopper`'s own tiles run. With
 FlashAttention-3's pipeline at 240 registers a row thread it is 6-9% faster alone, but leaves
 the tails no room beside it (steps up to 10% longer).
 

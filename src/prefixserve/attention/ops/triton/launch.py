@@ -295,7 +295,9 @@ def pdl_beside(q: torch.Tensor, k_cache: torch.Tensor, launches: tuple[Launch, L
     not resident yet would start only after it). On two streams a graph's branches start in
     either order: on an H200 the narrow launch started first in 3 of 8 captured steps, held
     the SMs, and the products waited for it (b1024 x 16K shared keys, 512-key tails: 1,267 us,
-    by PDL 878; b256 x 2K, 128-key tails: 84, by PDL 60).
+    by PDL 878; b256 x 2K, 128-key tails: 84, by PDL 60) -- an SM keeps the L1 / shared-memory
+    split its first kernel chose, and the narrow kernel's leaves no room for a wide CTA even
+    beside one narrow program (kernels-notes.md, issue 25 part thirty-seven).
     Against the fork's captures of the same run, the Hydragen grid's steps by PDL took up to
     9% less time on 8 rows and 1-6% more on 4 (512-key tails under 8-16K shared keys), where
     forked the order is chance (above): the swapped walk took its first items by stride, so
