@@ -26,9 +26,9 @@ tails outlast the products 2-5% longer (the tails beside it stream slower: two n
 fit beside either CTA, which alone stream 0.7 of the tails' whole grid's rate, and the
 products' compute -- their wgmma most, not their traffic -- slows those two further; this
 kernel's products are the denser; kernels-notes.md, issue 25 parts thirty-two, thirty-six and
-thirty-seven), so there `hopper`'s own tiles run. With
-FlashAttention-3's pipeline at 240 registers a row thread it is 6-9% faster alone, but leaves
-the tails no room beside it (steps up to 10% longer).
+thirty-seven), so there `hopper`'s own tiles run. With FlashAttention-3's pipeline at 240
+registers a row thread it is 6-9% faster alone, but leaves the tails no room beside it (steps
+up to 10% longer).
 
 Outputs are not `hopper`'s bit for bit: the running max moves once per 128 keys, not per 64,
 so P rounds to 16 bits differently (within 7e-5 of max |o| in the partials).
