@@ -42,25 +42,31 @@ NARROW = KernelConfig(16, 64, num_warps=2)
 
 
 @gluon.jit
-def _quantize_kernel(x, inv, y, BLOCK: gl.constexpr):
-    """y[i] = hopper_products._quantize(x[i], inv[0]), BLOCK values a program."""
+def _quantize_kernel(x, inv, y, BLOCK: gl.constexpr, ROUNDED: gl.constexpr):
+    """y[i] = hopper_products._quantize(x[i], inv[0]) (ROUNDED: `_quantize_rounded`), BLOCK
+    values a program."""
     i = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=gl.BlockedLayout([4], [32], [4], [0]))
-    gl.store(y + i, products._quantize(gl.load(x + i), gl.load(inv)))
+    if ROUNDED:
+        gl.store(y + i, products._quantize_rounded(gl.load(x + i), gl.load(inv)))
+    else:
+        gl.store(y + i, products._quantize(gl.load(x + i), gl.load(inv)))
 
 
+@pytest.mark.parametrize("rounded", [False, True], ids=["cast", "rounded"])
 @pytest.mark.parametrize("inv", [1.0, 2.0**-3, 2.0**5])
-def test_quantize_matches_the_reference_bit_for_bit(inv):
-    """The Gluon kernels' e4m3 quantization of new keys (`hopper_products._quantize`) against
-    `reference.quantize`, as the cache's bytes: every fp16 value but NaN (all of e4m3's
-    ties, its subnormals' ties, +-0, +-inf, saturation) x a power-of-two inverse scale, and
-    random fp32 values that no fp16 holds."""
+def test_quantize_matches_the_reference_bit_for_bit(inv, rounded):
+    """The Gluon kernels' e4m3 quantizations of new keys (`hopper_products._quantize`, the wide
+    kernel's, and `_quantize_rounded`, the row walk's) against `reference.quantize`, as the
+    cache's bytes: every fp16 value but NaN (all of e4m3's ties, its subnormals' ties, +-0,
+    +-inf, saturation) x a power-of-two inverse scale, and random fp32 values that no fp16
+    holds."""
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
     rand = torch.randn(2**16, generator=torch.Generator().manual_seed(7)) * 40
     x = torch.cat([every[~every.isnan()], rand])
     x = torch.cat([x, torch.zeros(-x.numel() % 512)]).to(DEVICE)  # whole programs
     scale = torch.tensor([inv], device=DEVICE)
     y = torch.empty(x.shape, dtype=reference.FP8, device=DEVICE)
-    _quantize_kernel[(x.numel() // 512,)](x, scale, y, BLOCK=512, num_warps=4)
+    _quantize_kernel[(x.numel() // 512,)](x, scale, y, BLOCK=512, ROUNDED=rounded, num_warps=4)
     ref = reference.quantize(x[:, None, None].cpu(), scale.cpu())[:, 0, 0]
     assert torch.equal(y.cpu().view(torch.uint8), ref.view(torch.uint8))
 
@@ -355,6 +361,71 @@ def test_decode_step_with_gluon_wide_units_over_fp8(dtype, batch, heads, kv_head
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     for label, o in outs.items():
         assert (o - outs["paged"]).abs().max() <= 4 * U[dtype] * row.vmax, label
+
+
+def _widenings_before_their_keys(sass: str) -> list[str]:
+    """The e4m3 widenings (`F2FP...UNPACK_B`) in `sass` (cuobjdump's) that read a register
+    which an e4m3 conversion (`F2FP...PACK_AB*`) writes within the next 60 instructions and
+    nothing wrote in the 100 before: the misschedule by which ptxas 12.8 let the row walk
+    score stale registers when it quantized its new keys by the cast (NaN in some of a step's
+    rows, a different number each run; kernels-notes.md, issue 25 part sixteen). Found there
+    in the walk built with `_quantize`, none in the walk with `_quantize_rounded` or in the wide
+    kernel with either (sm_90a, ptxas 12.8.93)."""
+    import re
+
+    code = [re.sub(r"^@!?U?P\w+\s+", "", m.group(1))
+            for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]
+
+    def written(ins: str) -> tuple[str, set[str]]:
+        op, _, rest = ins.partition(" ")
+        reg = re.match(r"\s*R(\d+)", rest)
+        if reg is None or op.startswith(("ST", "RED", "ATOM", "BRA", "SYNCS", "BAR")):
+            return op, set()
+        width = 4 if ".128" in op else 2 if (".64" in op or "WIDE" in op) else 1
+        return op, {f"R{int(reg.group(1)) + k}" for k in range(width)}
+
+    info = [written(ins) for ins in code]
+    found = []
+    for i, (op, _) in enumerate(info):
+        if op.startswith("F2FP") and "UNPACK" in op:
+            src = re.search(r"(R\d+)(\.H1|\.reuse)*\s*$", code[i]).group(1)
+            packed_after = any(src in regs and o.startswith("F2FP") and "UNPACK" not in o
+                               for o, regs in info[i + 1:i + 61])
+            if packed_after and not any(src in regs for _, regs in info[max(0, i - 100):i]):
+                found.append(code[i])
+    return found
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_no_e4m3_widening_reads_its_key_before_the_conversion(dtype, tmp_path):
+    """The SASS of the fp8 kernels that quantize new keys -- the wide kernel over the rows'
+    own keys (`_quantize`, an all-shared step), the row walk over its tails' (a step with
+    tails) -- as compiled in this process by relay's steps: no widening scheduled before the
+    conversion it widens (`_widenings_before_their_keys`)."""
+    import subprocess
+
+    from triton import knobs
+
+    from prefixserve.attention.backends.relay import RelayBackend
+    from prefixserve.bench.kernels.rows import Workload, build
+
+    name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    for context in (512, 700):
+        row = build(Workload("test", 20, 8, 8, 128, context, (512,), 64, name, kv_dtype="fp8"), DEVICE)
+        be = RelayBackend(row.shape, kernels=tops.TritonKernels(row.shape))
+        be.plan(row.batch)
+        be.run(row.q, row.k, row.v, row.k_cache.clone(), row.v_cache.clone(), kv_scale=row.kv_scale)
+    torch.cuda.synchronize()
+    scanned = set()
+    for kernel in (hopper._wide_kernel, hopper_module("hopper_rows")._rows_kernel):
+        for i, compiled in enumerate(kernel.device_caches[DEVICE.index or 0][0].values()):
+            cubin = tmp_path / f"{compiled.name}-{i}.cubin"
+            cubin.write_bytes(compiled.asm["cubin"])
+            sass = subprocess.check_output([knobs.nvidia.cuobjdump.path, "-sass", str(cubin)], text=True)
+            if "E4M3.F32.PACK" in sass:  # it quantizes new keys
+                assert _widenings_before_their_keys(sass) == [], compiled.name
+                scanned.add(compiled.name)
+    assert scanned == {"_wide_kernel", "_rows_kernel"}, scanned
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

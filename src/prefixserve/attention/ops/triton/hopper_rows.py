@@ -39,7 +39,7 @@ Tiles: the cache viewed as [chunks * C, Hkv * D]; tile j of entry e: rows kv_chu
 entry's [lo, hi) scores -inf and its V row is zeroed in registers (a where: a stale NaN or inf
 cannot reach the output). STORE as in `attend`: a one-row unit's new key joins the softmax
 from registers after the walk (over fp8 quantized first, as the store launch quantizes it:
-`_quantize`), and is written to its slot. MERGE as in `attend` (the walk with the wide
+`_quantize_rounded`), and is written to its slot. MERGE as in `attend` (the walk with the wide
 launch of units of <= 64 rows: worklist's `fused`): a one-row unit merges its row with the
 wide units' partials and writes the final row (no merge launch; on an H200 2.1-3.5 us off
 each of Table 3's fp8 rows with tails: kernels-notes.md, issue 25 part sixteen). After that
@@ -61,7 +61,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..reference import FP8
 from .attend import MERGE_CHUNK
-from .hopper_products import _K_INV, _K_SCALE, _V_INV, _V_SCALE, _bounds, _quantize
+from .hopper_products import _K_INV, _K_SCALE, _V_INV, _V_SCALE, _bounds, _quantize_rounded
 from .launch import Merge
 
 KL = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0]))  # [BLOCK_N, D] over 1 warp
@@ -217,8 +217,8 @@ def _rows_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
             if STORE:
                 if t >= 0:  # the new key: one more online-softmax step, then into its slot
                     if FP8:
-                        kc = _quantize(kn, gl.load(kv_scale + _K_INV * HKV + h))
-                        vc = _quantize(vn, gl.load(kv_scale + _V_INV * HKV + h))
+                        kc = _quantize_rounded(kn, gl.load(kv_scale + _K_INV * HKV + h))
+                        vc = _quantize_rounded(vn, gl.load(kv_scale + _V_INV * HKV + h))
                     else:
                         kc = kn.to(k_cache.dtype.element_ty)
                         vc = vn.to(v_cache.dtype.element_ty)
