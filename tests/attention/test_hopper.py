@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import subprocess
 
 import pytest
 import torch
@@ -32,6 +34,7 @@ hopper = hopper_module()
 products = hopper_module("hopper_products")
 if hopper is None:
     pytest.skip(f"the Gluon kernel is tested on Triton {GLUON_TRITON} only", allow_module_level=True)
+from triton import knobs  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 
@@ -371,8 +374,6 @@ def _widenings_before_their_keys(sass: str) -> list[str]:
     rows, a different number each run; kernels-notes.md, issue 25 part sixteen). Found there
     in the walk built with `_quantize`, none in the walk with `_quantize_rounded` or in the wide
     kernel with either (sm_90a, ptxas 12.8.93)."""
-    import re
-
     code = [re.sub(r"^@!?U?P\w+\s+", "", m.group(1))
             for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]
 
@@ -402,10 +403,6 @@ def test_no_e4m3_widening_reads_its_key_before_the_conversion(dtype, tmp_path):
     own keys (`_quantize`, an all-shared step), the row walk over its tails' (a step with
     tails) -- as compiled in this process by relay's steps: no widening scheduled before the
     conversion it widens (`_widenings_before_their_keys`)."""
-    import subprocess
-
-    from triton import knobs
-
     from prefixserve.attention.backends.relay import RelayBackend
     from prefixserve.bench.kernels.rows import Workload, build
 
