@@ -6,6 +6,8 @@
     peers.py       sdpa, Hydragen as published and its variants; flashinfer.py: FlashInfer's kernels
     report.py      a row's verdicts, the summary, the printed table and the plot
     sweep.py       launch shapes of the attend kernel (--sweep)
+    ab.py          `bench kernels-ab`: source trees' steps on the same rows, alternated on one
+                   machine; ab_worker.py: one arm's process
 """
 
 from .command import main, register

@@ -152,9 +152,8 @@ def main(args) -> int:
     return 0
 
 
-def register(sub) -> None:
-    p = sub.add_parser("kernels", help="attention kernels: every backend vs the bytes/FLOPs limit and peers",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_row_arguments(p: argparse.ArgumentParser) -> None:
+    """The options that choose the rows (`workloads`); `kernels-ab` takes them too."""
     p.add_argument("--grid", choices=("table3", "hydragen", "all", "custom"), default="all",
                    help="default grids (a custom row if --batch, --context or --shared is given)")
     p.add_argument("--batch", type=int, default=None, help="sequences (custom row; default 32)")
@@ -171,6 +170,12 @@ def register(sub) -> None:
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "both"), default="auto",
                    help="the cache's type: --dtype (auto), e4m3 (fp8), or every row in both (the fp8 "
                         "twin's grid is <grid>-fp8)")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("kernels", help="attention kernels: every backend vs the bytes/FLOPs limit and peers",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_row_arguments(p)
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
     p.add_argument("--sweep", action="store_true", help="also time launch shapes of the attend kernel")
