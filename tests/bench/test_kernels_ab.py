@@ -59,3 +59,15 @@ def test_a_bad_tree_is_refused(tree, capsys):
 def test_one_arm_is_refused():
     with pytest.raises(SystemExit, match="two or more --tree"):
         main(["bench", "kernels-ab", "--tree", f"a={SRC}", "--tree", f"a={SRC}", *ROW])
+
+
+def test_an_arm_that_fails_is_named(tmp_path):
+    """A tree whose worker cannot build the rows (its `build` raises): the command stops and names the arm."""
+    broken = tmp_path / "src"
+    shutil.copytree(SRC / "prefixserve", broken / "prefixserve", ignore=shutil.ignore_patterns("__pycache__"))
+    rows_py = broken / "prefixserve" / "bench" / "kernels" / "rows.py"
+    rows_py.write_text(rows_py.read_text().replace("def build(w: Workload, device: torch.device, seed: int = 0) -> Row:\n",
+                                                   "def build(w: Workload, device: torch.device, seed: int = 0) -> Row:\n"
+                                                   "    raise RuntimeError('broken tree')\n"))
+    with pytest.raises(SystemExit, match="arm 'broken' .* exited 1"):
+        main(["bench", "kernels-ab", "--tree", f"base={SRC}", "--tree", f"broken={broken}", *ROW, "--rounds", "1"])

@@ -59,7 +59,9 @@ def run_arm(name: str, tree: pathlib.Path, spec: dict, out: pathlib.Path, spec_p
     """One process of arm `name`: every row's step timed, its outputs (`ab_worker.run`)."""
     spec_path.write_text(json.dumps({**spec, "name": name, "tree": str(tree)}))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    subprocess.run([sys.executable, str(WORKER), str(spec_path), str(out)], env=env, check=True)
+    done = subprocess.run([sys.executable, str(WORKER), str(spec_path), str(out)], env=env)
+    if done.returncode:
+        raise SystemExit(f"kernels-ab: arm {name!r} ({tree}) exited {done.returncode}; its error is above")
     return torch.load(out)
 
 
