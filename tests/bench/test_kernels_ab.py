@@ -56,9 +56,11 @@ def test_a_bad_tree_is_refused(tree, capsys):
     assert e.value.code == 2 and "expected NAME=PATH" in capsys.readouterr().err
 
 
-def test_one_arm_is_refused():
+@pytest.mark.parametrize("names", [("a", "a"), ("a", "b", "a")], ids=["one-arm", "a-name-twice"])
+def test_one_arm_or_a_name_twice_is_refused(names):
+    trees = [x for n in names for x in ("--tree", f"{n}={SRC}")]
     with pytest.raises(SystemExit, match="two or more --tree"):
-        main(["bench", "kernels-ab", "--tree", f"a={SRC}", "--tree", f"a={SRC}", *ROW])
+        main(["bench", "kernels-ab", *trees, *ROW])
 
 
 def test_an_arm_that_fails_is_named(tmp_path):
@@ -66,7 +68,9 @@ def test_an_arm_that_fails_is_named(tmp_path):
     broken = tmp_path / "src"
     shutil.copytree(SRC / "prefixserve", broken / "prefixserve", ignore=shutil.ignore_patterns("__pycache__"))
     rows_py = broken / "prefixserve" / "bench" / "kernels" / "rows.py"
-    rows_py.write_text(rows_py.read_text().replace("def build(w: Workload, device: torch.device, seed: int = 0) -> Row:\n",
+    text = rows_py.read_text()
+    assert "def build(w: Workload, device: torch.device, seed: int = 0) -> Row:\n" in text
+    rows_py.write_text(text.replace("def build(w: Workload, device: torch.device, seed: int = 0) -> Row:\n",
                                                    "def build(w: Workload, device: torch.device, seed: int = 0) -> Row:\n"
                                                    "    raise RuntimeError('broken tree')\n"))
     with pytest.raises(SystemExit, match="arm 'broken' .* exited 1"):

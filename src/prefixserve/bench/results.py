@@ -62,6 +62,14 @@ def config_list(text: str) -> list[str]:
     return names
 
 
+def positive(text: str) -> int:
+    """An option's integer of 1 or more."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]

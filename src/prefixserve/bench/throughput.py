@@ -52,7 +52,7 @@ def register(sub) -> None:
     p.add_argument("--configs", type=R.config_list, default=list(R.CONFIGS),
                    help=f"comma-separated, run in this order (default: all: {','.join(R.CONFIGS)})")
     p.add_argument("--no-warmup", action="store_true", help="skip the per-config warm-up")
-    p.add_argument("--rounds", type=_positive, default=1,
+    p.add_argument("--rounds", type=R.positive, default=1,
                    help="run every config this many times, the order rotated each round, and keep each "
                         "config's fastest run (every round's elapsed time is kept beside it): a run's "
                         "elapsed time varies with the host's hiccups")
@@ -318,13 +318,6 @@ def _warmup(llm, wl: W.Workload) -> None:
     vocab = llm.engine.vocab_size
     prompts = [[(t + _WARMUP_SHIFT) % vocab for t in p] for p in wl.prompts]
     llm.generate(prompts, wl.params, use_tqdm=False)
-
-
-def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
 
 
 def _points(args) -> list[dict]:

@@ -34,17 +34,11 @@ import tempfile
 
 import torch
 
+from ..results import positive
 from .command import add_row_arguments, workloads
 
 log = logging.getLogger(__name__)
 WORKER = pathlib.Path(__file__).with_name("ab_worker.py")
-
-
-def positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected 1 or more")
-    return n
 
 
 def parse_tree(text: str) -> tuple[str, pathlib.Path]:
@@ -72,12 +66,13 @@ def compare(runs: dict[str, list[dict]]) -> list[dict]:
     rows = []
     for label in base["us"]:
         row: dict = {"label": label, "arms": {}}
+        base_least = min(r["us"][label] for r in runs[names[0]])
         for name in names:
             times = [r["us"][label] for r in runs[name]]
             least = min(times)
             row["arms"][name] = {
                 "us": times, "least_us": least, "spread": max(times) / least - 1,
-                "vs_first": least / min(r["us"][label] for r in runs[names[0]]),
+                "vs_first": least / base_least,
                 "equal_to_first": all(torch.equal(r["outs"][label], base["outs"][label]) for r in runs[name])}
         rows.append(row)
     return rows
@@ -97,7 +92,7 @@ def print_report(rows: list[dict]) -> None:
 
 def main(args) -> int:
     trees = dict(args.tree)
-    if len(trees) < 2:
+    if len(args.tree) < 2 or len(trees) < len(args.tree):
         raise SystemExit("kernels-ab: give two or more --tree NAME=PATH, with different names")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     spec = {"device": device, "backend": args.backend, "rows": [dataclasses.asdict(w) for w in workloads(args)]}
