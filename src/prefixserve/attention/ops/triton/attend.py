@@ -122,9 +122,9 @@ def _attend_kernel(q, k_cache, v_cache, q_pos, units, unit_count, kv_chunk, kv_l
     if TRIGGER:  # the merging narrow launch may start beside this one (`launch_worklist`)
         gdc_launch_dependents()
     num_work = tl.load(unit_count) * HKV
-    w = _take(queue, tl.program_id(0), DYNAMIC)
+    w = _take(queue, tl.program_id(0), num_work, DYNAMIC)
     while w < num_work:
-        nxt = _take(queue, w + tl.num_programs(0), DYNAMIC)  # taken now: its latency under this item
+        nxt = _take(queue, w + tl.num_programs(0), num_work, DYNAMIC)  # taken now: its latency under this item
         merge = (fused, others, o_parts, lse_parts, stride_pt, stride_ph, stride_lp, w // HKV)
         _attend_unit(q, k_cache, v_cache, q_pos, kv_chunk, kv_lo, kv_hi, kv_pos, o, lse,
                      k_new, v_new, slots, kv_scale, _unit_head(units, w // HKV), w % HKV, merge,
@@ -133,8 +133,6 @@ def _attend_kernel(q, k_cache, v_cache, q_pos, units, unit_count, kv_chunk, kv_l
                      BLOCK_D, BLOCK_M, BLOCK_N, C_PAD, CAUSAL, SLIDING, WRITE_LSE, STORE,
                      PRECISION, DOT_FP32, FP8_CACHE, MERGE, PDL, CHUNK, ROW_KEYS)
         w = nxt
-    if DYNAMIC:
-        _release_queue(queue)
     if PDL:  # every program: this launch ends after the wide one, so the next kernel sees both
         gdc_wait()
 
@@ -148,25 +146,23 @@ def _unit_head(units, u):
 
 
 @triton.jit
-def _take(queue, strided, DYNAMIC: tl.constexpr):
+def _take(queue, strided, num_work, DYNAMIC: tl.constexpr):
     """The next work item: `strided` (a fixed stride), or DYNAMIC the next of queue[0] (one
     atomic a take: a launch that shares the SMs with another keeps its resident programs busy
-    while the rest wait for room)."""
+    while the rest wait for room). The counter is 0 when a launch starts and is left at 0:
+    each of the P programs takes until a take returns >= num_work, then no more, so the
+    launch's takes return 0 .. num_work + P - 1, and the program that gets the last resets
+    it. Every other take precedes that one in the counter's order of atomics, and the reset
+    follows it in its program, so no fence is needed (with a programs-done count, released
+    at each program's end, Table 3's fp8 steps on an H200 took 1-3.6% longer: kernels-notes.md,
+    issue 25 part forty)."""
     if DYNAMIC:
-        return tl.atomic_add(queue, 1, sem="relaxed")
+        w = tl.atomic_add(queue, 1, sem="relaxed")
+        if w == num_work + tl.num_programs(0) - 1:
+            tl.store(queue, 0)
+        return w
     else:
         return strided
-
-
-@triton.jit
-def _release_queue(queue):
-    """queue [2] int32: (next work item, programs done), both 0 when a launch starts. A program
-    that took its last item (one past the work) counts itself done; the last one resets both
-    for the next launch: every take of this launch precedes its count (release), and the reset
-    follows them all (acquire)."""
-    if tl.atomic_add(queue + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        tl.store(queue, 0)
-        tl.store(queue + 1, 0)
 
 
 @triton.jit

@@ -95,18 +95,22 @@ def _item(units, w, num_work, HKV: gl.constexpr, TPE: gl.constexpr):
 
 
 @gluon.jit
-def _take(queue, pid, taken, DYNAMIC: gl.constexpr, STRIDE_FIRST: gl.constexpr):
+def _take(queue, pid, taken, num_work, DYNAMIC: gl.constexpr, STRIDE_FIRST: gl.constexpr):
     """Work item number `taken` (from 0) of CTA p: p + taken * P, or DYNAMIC the next of
     queue[0] -- after a first item p by stride where STRIDE_FIRST (the counter then counts
-    from P; the caller takes item 0 itself), else the first one too (`hopper_tails`, whose
-    CTAs may wait for room beside the products). The row walk takes its first by stride: its
-    16 KB CTAs are all resident, and the first from the counter was 1-2% slower on Table 3's
-    fp8 rows on an H200 (kernels-notes.md, issue 25 part thirty-one)."""
+    from P; the caller takes item 0 itself, and a CTA p >= num_work none), else the first one
+    too (`hopper_tails`, whose CTAs may wait for room beside the products). The row walk takes
+    its first by stride: its 16 KB CTAs are all resident, and the first from the counter was
+    1-2% slower on Table 3's fp8 rows on an H200 (kernels-notes.md, issue 25 part thirty-one).
+    Either way the launch's last take returns num_work + P - 1, and its CTA resets the
+    counter for the next launch (`attend._take`)."""
     w = pid + taken * gl.num_programs(0)
     if DYNAMIC:
         w = gl.atomic_add(queue, 1, sem="relaxed")
         if STRIDE_FIRST:
             w += gl.num_programs(0)
+        if w == num_work + gl.num_programs(0) - 1:
+            gl.store(queue, 0)
     return w
 
 
@@ -115,7 +119,7 @@ def _next_item(queue, units, pid, taken, num_work, HKV: gl.constexpr, TPE: gl.co
                DYNAMIC: gl.constexpr):
     """The program's next work item after `taken` ones (`_take`, its first by stride) and
     `_item` of it: (w, taken + 1, *_item)."""
-    w = _take(queue, pid, taken, DYNAMIC, True)
+    w = _take(queue, pid, taken, num_work, DYNAMIC, True)
     e0, per_row, n = _item(units, w, num_work, HKV, TPE)
     return w, taken + 1, e0, per_row, n
 
@@ -254,10 +258,6 @@ def _rows_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, o
             pj = 0
             pjj = 0
         w = pw
-    if DYNAMIC:  # attend._release_queue: the last program resets the counter for the next launch
-        if gl.atomic_add(queue + 1, 1, sem="acq_rel") == gl.num_programs(0) - 1:
-            gl.store(queue, 0)
-            gl.store(queue + 1, 0)
 
 
 @gluon.jit

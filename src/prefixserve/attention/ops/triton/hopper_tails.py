@@ -106,7 +106,7 @@ def _next(q, q_bufs, queue, units, pid, taken, num_work, stride_qt, HKV: gl.cons
     """The producer's next item after `taken` ones -- (w, taken + 1, its first entry, its
     tiles) -- its query rows fetched into the Q slot after the consumer's (the producer is at
     most one item ahead of the walk: it moves on only from the walk's item)."""
-    w = _take(queue, pid, taken, DYNAMIC, False)
+    w = _take(queue, pid, taken, num_work, DYNAMIC, False)
     e0, n, _ = _item(units, w, num_work, HKV, TPE)
     _fetch_q(q, q_bufs.index((taken + 1) % 2), units, w, num_work, stride_qt, HKV, G, HEAD_DIM)
     return w, taken + 1, e0, n
@@ -205,7 +205,7 @@ def _tails_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, 
     num_work = gl.load(unit_count) * HKV
     pid = gl.program_id(0)
     taken = 1
-    w = _take(queue, pid, 0, DYNAMIC, False)  # the walk's item; the producer's, pw: w or the one after it
+    w = _take(queue, pid, 0, num_work, DYNAMIC, False)  # the walk's item; the producer's, pw: w or the one after it
     pw = w
     p_e0, p_n, _ = _item(units, pw, num_work, HKV, TPE)
     _fetch_q(q, q_bufs.index(1), units, pw, num_work, stride_qt, HKV, G, HEAD_DIM)  # Q slot: taken % 2
@@ -273,10 +273,6 @@ def _tails_kernel(q, units, unit_count, kv_chunk, kv_lo, kv_hi, k_desc, v_desc, 
                                          TPE, DYNAMIC)
             pj = 0
         w = pw
-    if DYNAMIC:  # attend._release_queue: the last program resets the counter for the next launch
-        if gl.atomic_add(queue + 1, 1, sem="acq_rel") == gl.num_programs(0) - 1:
-            gl.store(queue, 0)
-            gl.store(queue + 1, 0)
     if PDL:  # started beside the wide launch: ends after it, so the next kernel sees both
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 

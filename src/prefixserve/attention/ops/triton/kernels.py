@@ -57,7 +57,7 @@ class TritonKernels:
         self.generation = 0  # moves of the padded plans' scratch buffers, changes of `stores`
         # each launch class's work counter for dynamic launches, zero between launches (the
         # classes run concurrently; a class's launches run one after another on its stream)
-        self.queues = torch.zeros((2, 2), dtype=torch.int32, device=shape.device)
+        self.queues = torch.zeros((2, 1), dtype=torch.int32, device=shape.device)
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         # what a padded plan bakes into its graph besides shapes: stores (any, narrow, wide), fused,
         # the narrow launch beside the wide one (`merge_beside`), its swapped walk (`tails`), the

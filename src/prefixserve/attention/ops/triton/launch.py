@@ -86,8 +86,8 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     drops the position mask. new_kv: (k [T, Hkv, D], v, slots [T] int64) for units that store
     their row's new key (worklist `stores`). window: a sliding layer's (then every launch masks
     by position, both bounds); None: none. kv_scale: [4, Hkv] fp32, given iff the cache is fp8.
-    queue: [2] int32 on the device, zero (and zero again after the launch), given iff
-    cfg.dynamic. merge: the units merge their rows (o, lse are then the final rows: see MERGE);
+    queue: [1] int32 on the device, zero (and zero again after the launch: `attend._take`),
+    given iff cfg.dynamic. merge: the units merge their rows (o, lse are then the final rows: see MERGE);
     trigger: a launch follows this one beside it (PDL); beside: this launch is that one (its
     programs end only after the triggering launch has, so the next kernel sees both; a
     merging launch says so in `merge.pdl`)."""
@@ -106,7 +106,7 @@ def launch_units(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         assert idx.dtype == torch.int32 and idx.device == q.device
     assert lse is None or (lse.dtype == torch.float32 and lse.shape == o.shape[:2])
     assert cfg.dynamic == (queue is not None), "a dynamic launch, and only it, takes a queue"
-    assert queue is None or (queue.dtype == torch.int32 and queue.shape == (2,))
+    assert queue is None or (queue.dtype == torch.int32 and queue.shape == (1,))
     assert merge is None or not cfg.dynamic or cfg.merge_beside or (cfg.after_wide and not merge.pdl), \
         "a merging launch that takes units from a counter runs after the wide one"
     if programs == 0:  # (the narrow class is empty when G > NARROW_ROWS)
@@ -216,7 +216,7 @@ class Launch:
     causal: bool
     programs: int  # persistent grid size; 0: nothing to run
     stores: bool = False  # some unit stores its row's new key (the launch takes new_kv)
-    queue: torch.Tensor | None = None  # [2] int32, iff cfg.dynamic: the launch's work counter
+    queue: torch.Tensor | None = None  # [1] int32, iff cfg.dynamic: the launch's work counter
     merge: tuple[torch.Tensor, torch.Tensor] | None = None  # narrow: (Merge.rows, .others) iff its units merge
 
 
@@ -344,7 +344,7 @@ def attend_items(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     grids = [grid_size(len(u), hkv, cfg, n, fixed=False)
              for u, cfg, n in zip((wl.narrow, wl.wide), configs, (sms, wl.wide_sms), strict=True)]
     narrow, wide = (Launch(dev(u), dev([len(u), max(1, grid)]), cfg, causal, grid,
-                           queue=torch.zeros(2, dtype=torch.int32, device=q.device) if cfg.dynamic else None)
+                           queue=torch.zeros(1, dtype=torch.int32, device=q.device) if cfg.dynamic else None)
                     for u, cfg, causal, grid in zip((wl.narrow, wl.wide), configs, wl.causal, grids, strict=True))
     if wl.fused is not None and wl.others is not None:
         narrow = dataclasses.replace(narrow, merge=(dev(wl.fused), dev(wl.others)))
